@@ -1,0 +1,67 @@
+"""One typed configuration object for both sides.
+
+It is filled from CLI flags, from vLLM's kv_connector_extra_config, or in code; `from_mapping` refuses
+unknown keys and wrong types with a message that names the key, so a typo in a deployment's JSON fails at
+start-up rather than being silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    engine_id: str = "kvpush"
+    # Side channel (metadata handshake and registrations). Never 0.0.0.0 unless asked for.
+    host: str = "127.0.0.1"
+    port: int = 5600  # a rank listens on port + tp_rank
+    # NIXL
+    backends: tuple[str, ...] = ("UCX",)
+    ucx_net_devices: str | None = "lo"  # None leaves UCX_NET_DEVICES alone (clusters)
+    # Prefill: how long source blocks wait for a registration (or a registration for its prefill)
+    # before the request fails and the blocks are released.
+    lease_s: float = 120.0
+    # Decode: how long after expect() the KV must be ready. Longer than the lease, so a prefill that
+    # gives up always tells decode first.
+    ready_timeout_s: float = 150.0
+    # How long finished request ids are remembered to recognise late duplicates.
+    tombstone_s: float = 300.0
+    # Push/poll thread pacing: sleep while work is in flight, and while idle.
+    busy_poll_s: float = 50e-6
+    idle_poll_s: float = 0.02
+    handshake_timeout_s: float = 10.0
+    max_message_bytes: int = 1 << 20
+    hmac_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ConfigError("engine_id must be a non-empty string")
+        if not (0 <= self.port <= 65535):
+            raise ConfigError(f"port {self.port} is out of range 0..65535")
+        for name in ("lease_s", "ready_timeout_s", "tombstone_s", "busy_poll_s", "idle_poll_s",
+                     "handshake_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ready_timeout_s <= self.lease_s:
+            raise ConfigError(
+                f"ready_timeout_s ({self.ready_timeout_s}) must exceed lease_s ({self.lease_s}) so that "
+                "prefill reports a give-up before decode times out")
+        if not self.backends:
+            raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> KVPushConfig:
+        try:
+            return msgspec.convert(dict(data), cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"invalid kvpush config: {exc}") from exc
+
+    def replace(self, **changes: Any) -> KVPushConfig:
+        return msgspec.structs.replace(self, **changes)
