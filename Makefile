@@ -4,6 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 EXTRAS ?= test,bench,vllm,infra
+TEST_DEPS :=
+# the sans-IO core is held to mypy --strict
+STRICT_CORE := kvpush/wire.py kvpush/layout.py kvpush/plan.py kvpush/tp.py kvpush/sender.py kvpush/receiver.py kvpush/config.py
+
+# Fragments owned by sub-projects (e.g. mk/infra.mk adds the Terraform tool venv to TEST_DEPS).
+-include mk/*.mk
 
 .PHONY: venv demo test lint typecheck clean
 
@@ -23,8 +29,9 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(BIN)/kvpush demo
 
-test: venv
+test: venv $(TEST_DEPS)
 	$(BIN)/ruff check kvpush backends platforms tests
+	$(BIN)/mypy --strict $(STRICT_CORE)
 	$(BIN)/mypy kvpush
 	$(BIN)/python -m pytest -q tests
 
@@ -32,9 +39,9 @@ lint: venv
 	$(BIN)/ruff check kvpush backends platforms tests
 
 typecheck: venv
+	$(BIN)/mypy --strict $(STRICT_CORE)
 	$(BIN)/mypy kvpush
 
 clean:
 	rm -rf $(VENV) build *.egg-info
 
--include mk/*.mk
