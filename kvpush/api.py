@@ -236,7 +236,13 @@ class _PushWorker(Worker):
             local, remote = plan.nixl_descs()
             notif = self.codec.encode(TransferDone(request_id=act.request_id, attempt=act.attempt,
                                                    prefill_rank=self.layout.tp_rank, nbytes=plan.nbytes))
+            t_plan = time.monotonic()
             handle = self.transport.post_write(peer.agent, local, remote, notif, self.mem_type)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("kvpush push %s: queued %.1f ms, plan %.1f ms, post %.1f ms, %d descriptors, %d bytes",
+                          act.request_id, 1e3 * (now - self.prefill_done_at.get(act.request_id, now)),
+                          1e3 * (t_plan - now), 1e3 * (time.monotonic() - t_plan), plan.num_descriptors,
+                          plan.nbytes)
         except (LayoutError, TransportError) as exc:
             self._apply(self.state.on_write_done(act.request_id, act.attempt, act.decode_rank, False, 0,
                                                  str(exc), now))
@@ -247,11 +253,16 @@ class _PushWorker(Worker):
         metrics.DESCRIPTORS.labels(*self.labels).inc(plan.num_descriptors)
         metrics.BLOCKS.labels(*self.labels).inc(plan.num_blocks)
         self.writes.append(_Write(act, handle, plan, now))
+        # progress at once: a loopback copy may finish inside the post, and its notification should
+        # leave now rather than after whatever else this round still has to post
+        self._progress_writes(time.monotonic())
 
     def _progress_writes(self, now: float) -> bool:
         assert self.transport is not None
         did = False
         for w in list(self.writes):
+            if w not in self.writes:  # finished by a nested round (a write started from a completion)
+                continue
             try:
                 state = self.transport.poll(w.handle)
                 if state == "PROC":
@@ -269,6 +280,9 @@ class _PushWorker(Worker):
             if ok:
                 self.counters.bytes += nbytes
                 metrics.BYTES.labels(*self.labels).inc(nbytes)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("kvpush push %s: complete %.1f ms after post (ok=%s)", w.action.request_id,
+                          1e3 * (now - w.posted_at), ok)
             self._apply(self.state.on_write_done(w.action.request_id, w.action.attempt, w.action.decode_rank,
                                                  ok, nbytes, reason, time.monotonic()))
         return did
@@ -323,7 +337,10 @@ class _Endpoint:
 
     def stats(self) -> dict[str, int]:
         c = self._worker.counters
-        return {k: getattr(c, k) for k in c.__dataclass_fields__}
+        out = {k: getattr(c, k) for k in c.__dataclass_fields__}
+        state = getattr(self._worker, "state", None)
+        out.update(getattr(state, "order_counts", {}))
+        return out
 
 
 class PrefillEndpoint(_Endpoint):

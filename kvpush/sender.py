@@ -76,6 +76,8 @@ class _Entry:
     done: set[int] = field(default_factory=set)
     in_flight: set[tuple[int, int]] = field(default_factory=set)  # (attempt, decode rank)
     nbytes: int = 0
+    first: str = ""  # which event created the entry: "registration_first" or "prefill_first"
+    counted: bool = False
 
 
 class SenderState:
@@ -90,6 +92,8 @@ class SenderState:
         self.tombstone_s = tombstone_s
         self._entries: dict[str, _Entry] = {}
         self._tombstones: dict[str, tuple[int, float]] = {}  # request -> (last attempt, expiry)
+        # how often each event order led to a WRITE (both orders must work; tests check both occur)
+        self.order_counts = {"registration_first": 0, "prefill_first": 0}
 
     # ---- queries ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -114,7 +118,8 @@ class SenderState:
             return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
                                   "source KV already released (request finished on prefill)")]
         if entry is None:
-            entry = self._entries[reg.request_id] = _Entry(reg.request_id, now + self.lease_s)
+            entry = self._entries[reg.request_id] = _Entry(reg.request_id, now + self.lease_s,
+                                                           first="registration_first")
         if entry.phase is Phase.ENDING:
             return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
                                   entry.reason)]
@@ -139,7 +144,7 @@ class SenderState:
                                   "request already finished or aborted on prefill")]
         entry = self._entries.get(request_id)
         if entry is None:
-            entry = self._entries[request_id] = _Entry(request_id, now + self.lease_s)
+            entry = self._entries[request_id] = _Entry(request_id, now + self.lease_s, first="prefill_first")
         if entry.src_blocks is not None:
             return [ReleaseSource(request_id, block_ids, False, 0, "duplicate prefill_done: kept the first")]
         if entry.phase is Phase.ENDING:
@@ -247,6 +252,9 @@ class SenderState:
                     return actions + self._end(entry, "token count mismatch") + self._advance(entry)
                 entry.started.add(rank)
                 entry.in_flight.add((reg.attempt, rank))
+                if not entry.counted:
+                    entry.counted = True
+                    self.order_counts[entry.first] += 1
                 actions.append(StartWrite(entry.request_id, reg.attempt, reg.decode_engine_id, rank,
                                           reg.decode_tp, entry.src_blocks, tuple(reg.block_ids),
                                           reg.num_tokens, entry.owed[rank]))

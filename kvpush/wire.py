@@ -157,10 +157,10 @@ class Codec:
             raise WireError("empty message")
         try:
             header = _header_decoder.decode(data)
+        except msgspec.ValidationError as exc:  # (a subclass of DecodeError: test it first)
+            raise WireError(f"malformed message header (want a map with 'kind' and 'v'): {exc}") from None
         except msgspec.DecodeError as exc:
             raise WireError(f"malformed or truncated message: {exc}") from None
-        except msgspec.ValidationError as exc:
-            raise WireError(f"malformed message header: {exc}") from None
         if header.v != WIRE_VERSION:
             raise WireError(f"unsupported wire version {header.v}; this peer speaks {WIRE_VERSION}")
         if header.kind not in _KINDS:

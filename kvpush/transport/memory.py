@@ -1,0 +1,147 @@
+"""An in-process transport for tests: real memory copies between registered regions, plus faults.
+
+Agents meet in a MemoryHub. A WRITE copies bytes with ctypes.memmove after checking that every
+descriptor lies inside memory the two agents registered, then queues the notification at the target.
+Faults: `hub.kill(name)` makes every operation involving that agent fail like a dead peer;
+`hub.fail_next_writes[name] = n` fails the next n WRITEs posted towards `name`; `hub.hold_writes = True`
+keeps WRITEs in flight until `hub.release_held()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..layout import Region
+from .base import Descs, TransportError, XferState
+
+
+@dataclass
+class _Xfer:
+    src: str
+    dst: str
+    notif: bytes
+    copies: list[tuple[int, int, int]]  # (to, from, len)
+    state: str = "PROC"
+
+
+@dataclass
+class MemoryHub:
+    agents: dict[str, MemoryTransport] = field(default_factory=dict)
+    dead: set[str] = field(default_factory=set)
+    fail_next_writes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    hold_writes: bool = False
+    held: list[_Xfer] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def kill(self, name: str) -> None:
+        with self.lock:
+            self.dead.add(name)
+
+    def release_held(self) -> None:
+        with self.lock:
+            held, self.held = self.held, []
+        for x in held:
+            self._complete(x)
+
+    def _complete(self, x: _Xfer) -> None:
+        with self.lock:
+            if x.dst in self.dead or x.src in self.dead:
+                x.state = "ERR"
+                return
+            for to, frm, n in x.copies:
+                ctypes.memmove(to, frm, n)
+            x.state = "DONE"
+            if x.notif:
+                self.agents[x.dst].inbox.append((x.src, x.notif))
+
+
+class MemoryTransport:
+    def __init__(self, name: str, hub: MemoryHub) -> None:
+        self.name = name
+        self.hub = hub
+        self.regions: list[Region] = []
+        self.peers: set[str] = set()
+        self.inbox: list[tuple[str, bytes]] = []
+        hub.agents[name] = self
+
+    def _alive(self, peer: str | None = None) -> None:
+        if self.name in self.hub.dead:
+            raise TransportError(f"agent {self.name} is dead")
+        if peer is not None and peer in self.hub.dead:
+            raise TransportError(f"peer {peer} disconnected")
+
+    def register(self, regions: Sequence[Region], mem_type: str) -> None:
+        self.regions.extend(regions)
+
+    def metadata(self) -> bytes:
+        return self.name.encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = metadata.decode(errors="replace")
+        if name not in self.hub.agents:
+            raise TransportError(f"unknown peer metadata {name!r}")
+        self.peers.add(name)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        self.peers.discard(peer)
+
+    @staticmethod
+    def _inside(regions: list[Region], addr: int, n: int) -> bool:
+        return any(r.addr <= addr and addr + n <= r.addr + r.nbytes for r in regions)
+
+    def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> _Xfer:
+        return self._post(peer, local, remote, notif, write=True)
+
+    def post_read(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> _Xfer:
+        return self._post(peer, local, remote, notif, write=False)
+
+    def _post(self, peer: str, local: Descs, remote: Descs, notif: bytes, write: bool) -> _Xfer:
+        self._alive(peer)
+        if peer not in self.peers:
+            raise TransportError(f"{peer!r} is not a known peer of {self.name}")
+        target = self.hub.agents[peer]
+        copies = []
+        for (la, ln, _ld), (ra, rn, _rd) in zip(local.tolist(), remote.tolist(), strict=True):
+            if ln != rn:
+                raise TransportError("descriptor lengths differ")
+            if not self._inside(self.regions, la, ln) or not self._inside(target.regions, ra, rn):
+                raise TransportError(f"descriptor {hex(la)}/{hex(ra)}+{ln} outside registered memory")
+            copies.append((ra, la, ln) if write else (la, ra, ln))
+        x = _Xfer(self.name, peer, notif, copies)
+        with self.hub.lock:
+            failing = self.hub.fail_next_writes.get(peer, 0)
+            if failing:
+                self.hub.fail_next_writes[peer] = failing - 1
+                x.state = "ERR"
+                return x
+            if self.hub.hold_writes:
+                self.hub.held.append(x)
+                return x
+        self.hub._complete(x)
+        return x
+
+    def poll(self, handle: _Xfer) -> XferState:
+        if handle.state == "ERR" or (handle.state == "PROC" and handle.dst in self.hub.dead):
+            raise TransportError(f"transfer to {handle.dst} failed (injected)")
+        return "DONE" if handle.state == "DONE" else "PROC"
+
+    def release(self, handle: _Xfer) -> None:
+        pass
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        self._alive(peer)
+        with self.hub.lock:
+            self.hub.agents[peer].inbox.append((self.name, msg))
+
+    def drain_notifs(self) -> list[tuple[str, bytes]]:
+        with self.hub.lock:
+            out, self.inbox = self.inbox, []
+        return out
+
+    def close(self) -> None:
+        self.hub.agents.pop(self.name, None)
