@@ -17,17 +17,28 @@ class HostKVCache:
 
     mem_type = "DRAM"
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, prefault: bool = True) -> None:
         plane_bytes = layout.num_blocks * layout.block_stride
         nbytes = plane_bytes * layout.num_layers * layout.kv_per_layer
-        # anonymous mmap: page-aligned, zero-filled lazily, released with the object
+        # anonymous mmap: page-aligned, released with the object. Touched once up front, as an engine's
+        # torch.zeros cache is: otherwise the first transfer into each page pays a page fault.
         self._mmap = mmap.mmap(-1, max(nbytes, 1))
         self.buffer = np.frombuffer(self._mmap, dtype=np.uint8, count=nbytes)
+        if prefault:
+            self.buffer.fill(0)
         self.layout = packed_planes(layout, int(self.buffer.ctypes.data))
 
     @property
     def nbytes(self) -> int:
         return int(self.buffer.shape[0])
+
+    def to_host(self) -> np.ndarray:
+        """The cache itself (the same interface as device backends, which return a copy)."""
+        return self.buffer
+
+    def from_host(self, host: np.ndarray) -> None:
+        if host is not self.buffer:
+            self.buffer[:] = host
 
     def block_view(self, layer: int, kv: int, block_id: int) -> np.ndarray:
         """uint8 view of one block of one plane."""

@@ -134,6 +134,7 @@ class _PushWorker(Worker):
         self.poller.register(self.sock, zmq.POLLIN)
         self.hello = make_hello(self.config, "prefill", self.transport.name, self.transport.metadata(),
                                 self.mem_type, self.layout)
+        build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
 
     def teardown(self) -> None:
         assert self.transport is not None
@@ -202,6 +203,7 @@ class _PushWorker(Worker):
                 raise LayoutError(f"hello from a {hello.role} engine; prefill talks to decode engines")
             peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
             agent = self.transport.add_peer(hello.agent_metadata)
+            self.transport.connect(agent)  # at handshake, not on the first request's critical path
         except (LayoutError, TransportError) as exc:
             self._reply(ident, ErrorReply(reason=str(exc)))
             return

@@ -107,7 +107,7 @@ def _session(region: str | None, profile: str | None) -> Any:
         session = boto3.Session(profile_name=profile)
     except botocore.exceptions.ProfileNotFound as exc:
         raise ClusterError(f"AWS profile {profile!r} not found in your AWS config files") from exc
-    region = region or os.environ.get("KVPUSH_REGION") or session.region_name
+    region = region or session.region_name
     if not region:
         raise ClusterError("no AWS region: pass --region (the stack's `region` variable) or set AWS_REGION")
     known = (
@@ -385,15 +385,33 @@ def format_table(nodes: Sequence[Node]) -> str:
 # Command line
 
 
+def node_env(path: Path | None = None) -> dict[str, str]:
+    """KEY=VALUE pairs of the env file a cluster node's set-up wrote (/etc/kvpush/node.env), so that on
+    a node `kvpush cluster` needs no --name or --region. Missing file: empty."""
+    path = path or Path(os.environ.get("KVPUSH_NODE_ENV", "/etc/kvpush/node.env"))
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    pairs = (line.split("=", 1) for line in lines if "=" in line and not line.lstrip().startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def _default(name: str) -> str | None:
+    return os.environ.get(name) or node_env().get(name) or None
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--name",
-        default=os.environ.get("KVPUSH_CLUSTER"),
-        help="cluster name, the kvpush:cluster tag (default: $KVPUSH_CLUSTER)",
+        default=_default("KVPUSH_CLUSTER"),
+        help="cluster name, the kvpush:cluster tag (default: $KVPUSH_CLUSTER, then /etc/kvpush/node.env)",
     )
     common.add_argument(
-        "--region", default=None, help="AWS Region (default: $KVPUSH_REGION, then the AWS config)"
+        "--region",
+        default=_default("KVPUSH_REGION"),
+        help="AWS Region (default: $KVPUSH_REGION, then /etc/kvpush/node.env, then the AWS config)",
     )
     common.add_argument("--profile", default=None, help="AWS profile from your AWS config files")
 
@@ -413,8 +431,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("results_dir", type=Path, help="folder of result files (e.g. results/)")
     p.add_argument(
         "--bucket",
-        default=os.environ.get("KVPUSH_RESULTS_BUCKET") or None,
-        help="S3 bucket (default: $KVPUSH_RESULTS_BUCKET)",
+        default=_default("KVPUSH_RESULTS_BUCKET"),
+        help="S3 bucket (default: $KVPUSH_RESULTS_BUCKET, then /etc/kvpush/node.env)",
     )
     p.add_argument("--prefix", default=None, help="key prefix (default: kvpush/<cluster>/<UTC time>)")
 

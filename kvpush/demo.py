@@ -43,6 +43,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="free lists are shuffled runs of this many blocks (1 = fully random)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="prefill side-channel base port (0: pick free)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the KV caches live: host DRAM or CUDA VRAM (registered as VRAM)")
     p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
 
 
@@ -126,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    p_proc = ctx.Process(target=prefill_main, args=(p_child, p_geo, port, args.seed, args.run_blocks),
+    p_proc = ctx.Process(target=prefill_main, args=(p_child, p_geo, port, args.seed, args.run_blocks, args.device),
                          name="kvpush-demo-prefill")
-    d_proc = ctx.Process(target=decode_main, args=(d_child, d_geo, args.seed, args.run_blocks, args.prefill_tp),
+    d_proc = ctx.Process(target=decode_main, args=(d_child, d_geo, args.seed, args.run_blocks, args.prefill_tp, args.device),
                          name="kvpush-demo-decode")
     p_proc.start()
     d_proc.start()
@@ -160,14 +162,14 @@ def run(args: argparse.Namespace) -> int:
 def _raw_write(peers: _Peers, nbytes: int) -> float:
     """Median GB/s of a single-descriptor WRITE (post -> notification at decode), same processes."""
     peers.d.send(("raw_md",))
-    _, md, dst_addr = peers.expect_reply(peers.d, "raw_md")
+    _, md, dst_addr, dst_dev = peers.expect_reply(peers.d, "raw_md")
     peers.p.send(("raw_peer", md))
     peer = peers.expect_reply(peers.p, "raw_peer")[1]
     rates = []
     for i in range(3):
         label = f"raw-{i}"
         peers.d.send(("raw_wait", label))
-        peers.p.send(("raw_write", peer, dst_addr, nbytes, label))
+        peers.p.send(("raw_write", peer, dst_addr, dst_dev, nbytes, label))
         posted_at = peers.expect_reply(peers.p, "raw_written")[1]
         notified_at = peers.expect_reply(peers.d, "raw_notified")[1]
         rates.append(nbytes / max(notified_at - posted_at, 1e-9) / 1e9)
@@ -247,7 +249,7 @@ def _report(args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats
                                                               for r in big]), 1e-9) / 1e9) if big else 0.0
     pst = p_stats[1]
     summary = {
-        "requests": len(reqs), "verified": verified, "failed": failed, "bytes": total_bytes,
+        "device": args.device, "requests": len(reqs), "verified": verified, "failed": failed, "bytes": total_bytes,
         "gbps": round(gbps, 3), "large_request_gbps": round(big_gbps, 3), "raw_gbps": round(raw_gbps, 3),
         "descriptors": pst["descriptors"], "blocks": pst["blocks"],
         "ready_after_prefill_ms": {"p50": round(statistics.median(lat), 3) if lat else 0.0,
@@ -256,7 +258,8 @@ def _report(args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats
         "wire_errors": pst["wire_errors"] + d_stats[1]["wire_errors"],
         "blocks_free_after": {"prefill": [p_stats[2], p_stats[3]], "decode": [d_stats[2], d_stats[3]]},
     }
-    table = Table(title="kvpush demo: prefill -> decode push over NIXL (UCX, host DRAM, 127.0.0.1)")
+    where = "host DRAM" if args.device == "cpu" else "CUDA VRAM"
+    table = Table(title=f"kvpush demo: prefill -> decode push over NIXL (UCX, {where}, 127.0.0.1)")
     for col in ("requests", "verified", "failed", "GiB", "GB/s", "raw NIXL GB/s", "descriptors / blocks",
                 "ready after prefill p50 / p99 ms"):
         table.add_column(col, justify="right")

@@ -68,10 +68,20 @@ def _endpoints_config(engine_id: str, port: int) -> KVPushConfig:
     return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0)
 
 
-def _raw_transport(name: str, cache: HostKVCache) -> Any:
+def make_cache(layout: KVLayout, device: str) -> Any:
+    """Host DRAM or CUDA VRAM (--device cuda: every rank on GPU 0 unless more are visible)."""
+    if device == "cuda":
+        import torch
+
+        from kvpush.backends.cuda import CudaKVCache
+        return CudaKVCache(layout, layout.tp_rank % max(1, torch.cuda.device_count()))
+    return HostKVCache(layout)
+
+
+def _raw_transport(name: str, cache: Any) -> Any:
     from kvpush.transport.nixl import NixlTransport
     t = NixlTransport(name)
-    t.register(cache.layout.regions, "DRAM")
+    t.register(cache.layout.regions, cache.mem_type)
     return t
 
 
@@ -81,12 +91,12 @@ def _logging() -> None:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(processName)s %(message)s")
 
 
-def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int) -> None:
+def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int, device: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
-    caches = [HostKVCache(geo.layout(r)) for r in range(geo.tp_size)]
+    caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
     cfg = _endpoints_config("demo-prefill", port)
-    eps = [PrefillEndpoint(cfg, c.layout) for c in caches]
+    eps = [PrefillEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
         ep.start()
     alloc = BlockAllocator(geo.num_blocks, seed, run)
@@ -102,7 +112,9 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                     _, rid, n, tag = cmd
                     blocks = alloc.allocate(-(-n // geo.block_size))
                     for c in caches:
-                        fill(c.buffer, c.layout, blocks, n, tag)
+                        host = c.to_host()
+                        fill(host, c.layout, blocks, n, tag)
+                        c.from_host(host)
                     live[rid] = (blocks, n, set(), [])
                     conn.send(("prepared", rid))
                 elif kind == "prefill_done":
@@ -122,11 +134,12 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                     raw = raw or _raw_transport("demo-raw-prefill", caches[0])
                     conn.send(("raw_peer", raw.add_peer(cmd[1])))
                 elif kind == "raw_write":
-                    _, peer, dst_addr, nbytes, label = cmd
-                    src = np.array([[caches[0].layout.regions[0].addr, nbytes, 0]], dtype=np.int64)
-                    dst = np.array([[dst_addr, nbytes, 0]], dtype=np.int64)
+                    _, peer, dst_addr, dst_dev, nbytes, label = cmd
+                    region = caches[0].layout.regions[0]
+                    src = np.array([[region.addr, nbytes, region.device_id]], dtype=np.int64)
+                    dst = np.array([[dst_addr, nbytes, dst_dev]], dtype=np.int64)
                     at = time.monotonic()
-                    h = raw.post_write(peer, src, dst, label.encode(), "DRAM")
+                    h = raw.post_write(peer, src, dst, label.encode(), caches[0].mem_type)
                     while raw.poll(h) == "PROC":
                         time.sleep(20e-6)
                     raw.release(h)
@@ -153,12 +166,12 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
         conn.send(("bye",))
 
 
-def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int) -> None:
+def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int, device: str) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
-    caches = [HostKVCache(geo.layout(r)) for r in range(geo.tp_size)]
+    caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
     cfg = _endpoints_config("demo-decode", 0)
-    eps = [DecodeEndpoint(cfg, c.layout) for c in caches]
+    eps = [DecodeEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
         ep.start()
     alloc = BlockAllocator(geo.num_blocks, seed + 1, run)
@@ -186,16 +199,19 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                 elif kind == "verify":  # outside the timed part: check every byte, scrub, free
                     entry = live.pop(cmd[1])
                     wrong = -1
+                    hosts = [c.to_host() for c in caches]
                     if entry.get("ok"):
-                        wrong = sum(count_wrong_bytes(c.buffer, c.layout, entry["blocks"], entry["n"], entry["tag"])
-                                    for c in caches)
-                    for c in caches:
-                        scrub(c.buffer, c.layout, entry["blocks"])
+                        wrong = sum(count_wrong_bytes(h, c.layout, entry["blocks"], entry["n"], entry["tag"])
+                                    for h, c in zip(hosts, caches, strict=True))
+                    for h, c in zip(hosts, caches, strict=True):
+                        scrub(h, c.layout, entry["blocks"])
+                        c.from_host(h)
                     alloc.release(entry["blocks"])
                     conn.send(("verified", cmd[1], wrong))
                 elif kind == "raw_md":
                     raw = raw or _raw_transport("demo-raw-decode", caches[0])
-                    conn.send(("raw_md", raw.metadata(), caches[0].layout.regions[0].addr))
+                    region = caches[0].layout.regions[0]
+                    conn.send(("raw_md", raw.metadata(), region.addr, region.device_id))
                 elif kind == "raw_wait":
                     label = cmd[1].encode()
                     while True:

@@ -87,6 +87,9 @@ class MemoryTransport:
         self.peers.add(name)
         return name
 
+    def connect(self, peer: str) -> None:
+        self._alive(peer)
+
     def remove_peer(self, peer: str) -> None:
         self.peers.discard(peer)
 

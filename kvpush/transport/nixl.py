@@ -57,6 +57,13 @@ class NixlTransport:
             raise TransportError(f"NIXL refused a peer's metadata: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
+    def connect(self, peer: str) -> None:
+        """Open the connection now, so the first request does not pay for it."""
+        try:
+            self._agent.make_connection(peer)
+        except Exception as exc:
+            raise TransportError(f"NIXL could not connect to {peer!r}: {exc}") from exc
+
     def remove_peer(self, peer: str) -> None:
         try:
             self._agent.remove_remote_agent(peer)

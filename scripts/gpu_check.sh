@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU checks for kvpush on a CUDA machine (one prepared run; see README "GPU").
+#  1. tests/gpu: VRAM registered with NIXL, plan-driven WRITE in process, and `kvpush demo --device cuda`
+#     between two processes with every byte verified.
+#  2. `kvpush demo` on VRAM and on host DRAM with the default workload, JSON results into $OUT.
+# Wheels for an offline machine can be carried in .whl/ (nixl, nixl-cu13, msgspec, pyzmq).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+OUT=${OUT:-/tmp/kvpush-gpu}
+SITE=${SITE:-/tmp/kvpush-site}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+"$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . 2>&1 | tail -2
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} NIXL_LOG_LEVEL=WARN
+cd /tmp  # import kvpush from the installed copy, not the source tree
+nvidia-smi -L || true
+"$PY" -c "import torch, nixl; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+status=0
+"$PY" -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir=/tmp "$OLDPWD/tests/gpu" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+"$PY" -m kvpush.cli demo --device cuda --json "$OUT/demo_cuda.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cuda.log" || status=1
+"$PY" -m kvpush.cli demo --device cpu --json "$OUT/demo_cpu.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cpu.log" || status=1
+for run in 1 64 100000; do
+  "$PY" -m kvpush.cli demo --device cpu --requests 16 --run-blocks $run --json "$OUT/demo_cpu_run$run.json" >/dev/null 2>&1 || status=1
+done
+exit $status
