@@ -1,0 +1,41 @@
+"""A block pool that hands out ids the way vLLM's does, so block tables fragment realistically.
+
+vLLM (v1/core/block_pool.py) keeps free blocks in a queue: allocation pops from the front
+(`popleft_n`), freeing appends to the back, and a request's blocks are freed in reverse order
+(single_type_kv_cache_manager.free: `free_blocks(reversed(blocks))`). After a warm-up the ids a request
+gets are descending runs interleaved with other requests' leftovers: the descriptor count of a transfer
+depends on this.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfBlocks(Exception):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
