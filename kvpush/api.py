@@ -366,7 +366,7 @@ class PrefillEndpoint(_Endpoint):
 
     def prefill_done(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
         at = time.monotonic()
-        blocks = tuple(int(b) for b in block_ids)
+        blocks = _checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._push.submit(lambda: self._push.cmd_prefill_done(request_id, blocks, num_tokens, at))
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
@@ -584,7 +584,7 @@ class DecodeEndpoint(_Endpoint):
 
     def expect(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
                prefill: PrefillAddress) -> None:
-        blocks = tuple(int(b) for b in block_ids)
+        blocks = _checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._recv.submit(lambda: self._recv.cmd_expect(request_id, blocks, num_tokens, prefill))
 
     def abort(self, request_id: str, reason: str = "aborted by decode engine") -> None:
@@ -603,6 +603,23 @@ class DecodeEndpoint(_Endpoint):
 
     def pending(self) -> int:
         return int(self._recv.call(lambda: len(self._recv.state), self.config.handshake_timeout_s))
+
+
+def _checked_blocks(layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+    """The caller's block table, or LayoutError naming what is wrong (caught here, not on the wire)."""
+    if not request_id:
+        raise ValueError("request_id must be a non-empty string")
+    if num_tokens <= 0:
+        raise ValueError(f"{request_id}: num_tokens must be > 0, got {num_tokens}")
+    blocks = tuple(int(b) for b in block_ids)
+    needed = -(-num_tokens // layout.block_size)
+    if len(blocks) < needed:
+        raise LayoutError(f"{request_id}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
+                          f"{num_tokens} tokens ({needed} needed)")
+    bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
+    if bad:
+        raise LayoutError(f"{request_id}: block ids {bad[:5]} outside 0..{layout.num_blocks - 1}")
+    return blocks
 
 
 def _drain(q: queue.SimpleQueue[Any]) -> list[Any]:

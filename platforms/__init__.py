@@ -1,0 +1,1 @@
+"""Serving-stack integrations (installed as `kvpush.platforms`)."""

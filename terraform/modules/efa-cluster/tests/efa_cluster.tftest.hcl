@@ -1,0 +1,169 @@
+# Plan-level tests of the module with a mocked AWS provider: no credentials, no API calls.
+# Needs Terraform >= 1.7 and the hashicorp/aws provider available locally (`terraform init`).
+
+mock_provider "aws" {
+  mock_data "aws_ssm_parameter" {
+    defaults = {
+      insecure_value = "ami-0123456789abcdef0"
+    }
+  }
+
+  mock_data "aws_partition" {
+    defaults = {
+      partition = "aws"
+    }
+  }
+}
+
+variables {
+  name            = "kvpush-test"
+  instance_type   = "p5en.48xlarge"
+  vpc_id          = "vpc-0123456789abcdef0"
+  subnet_id       = "subnet-0123456789abcdef0"
+  client_cidrs    = ["203.0.113.10/32"]
+  kvpush_repo_url = "https://github.com/your-org/kvpush.git"
+}
+
+run "p5en_interfaces_follow_network_cards" {
+  command = plan
+
+  assert {
+    condition     = length(aws_launch_template.accelerated["prefill"].network_interfaces) == 17
+    error_message = "p5en.48xlarge: expected the ENA primary plus 16 EFA-only interfaces."
+  }
+
+  assert {
+    condition     = length([for ni in aws_launch_template.accelerated["decode"].network_interfaces : ni if ni.interface_type == "efa-only"]) == 16
+    error_message = "p5en.48xlarge: expected one EFA-only interface per network card."
+  }
+
+  assert {
+    condition     = one([for ni in aws_launch_template.accelerated["prefill"].network_interfaces : ni.interface_type if ni.network_card_index == 0 && ni.device_index == 0]) == "interface"
+    error_message = "The primary interface (card 0, device 0) must be ENA."
+  }
+
+  assert {
+    condition     = length(distinct([for ni in aws_launch_template.accelerated["prefill"].network_interfaces : ni.subnet_id])) == 1
+    error_message = "Every interface must be in the one cluster subnet."
+  }
+
+  assert {
+    condition     = aws_launch_template.accelerated["prefill"].metadata_options[0].http_tokens == "required"
+    error_message = "IMDSv2 must be required."
+  }
+
+  assert {
+    condition     = aws_launch_template.accelerated["prefill"].block_device_mappings[0].ebs[0].encrypted == "true" && aws_launch_template.accelerated["prefill"].block_device_mappings[0].ebs[0].volume_type == "gp3"
+    error_message = "The root volume must be encrypted gp3."
+  }
+
+  assert {
+    condition     = aws_placement_group.cluster[0].strategy == "cluster"
+    error_message = "The placement group must use the cluster strategy."
+  }
+
+  assert {
+    condition     = aws_vpc_security_group_ingress_rule.cluster_self.ip_protocol == "-1" && aws_vpc_security_group_egress_rule.cluster_self.ip_protocol == "-1"
+    error_message = "The cluster group must allow all protocols in and out with itself."
+  }
+
+  assert {
+    condition     = length(aws_instance.accelerated) == 2 && length(aws_instance.proxy) == 1
+    error_message = "Expected one prefill, one decode and one proxy node."
+  }
+
+  assert {
+    condition     = strcontains(output.setup_scripts["prefill"], "KVPUSH_ROLE=$ROLE") && strcontains(output.setup_scripts["prefill"], "readonly ROLE=\"prefill\"")
+    error_message = "The prefill set-up script must write its role into the env file."
+  }
+}
+
+run "trn1_has_eight_cards" {
+  command = plan
+
+  variables {
+    instance_type = "trn1.32xlarge"
+  }
+
+  assert {
+    condition     = length([for ni in aws_launch_template.accelerated["prefill"].network_interfaces : ni if ni.interface_type == "efa-only"]) == 8
+    error_message = "trn1.32xlarge: expected 8 EFA-only interfaces."
+  }
+
+  assert {
+    condition     = strcontains(output.setup_scripts["decode"], "neuron-ls")
+    error_message = "Trainium nodes must check their Neuron devices."
+  }
+}
+
+run "legacy_efa_layout" {
+  command = plan
+
+  variables {
+    instance_type      = "trn2.48xlarge"
+    efa_interface_mode = "efa"
+  }
+
+  assert {
+    condition     = length(aws_launch_template.accelerated["prefill"].network_interfaces) == 16 && alltrue([for ni in aws_launch_template.accelerated["prefill"].network_interfaces : ni.interface_type == "efa"])
+    error_message = "efa mode: one EFA (with ENA) interface per card."
+  }
+}
+
+run "capacity_block" {
+  command = plan
+
+  variables {
+    capacity = {
+      type           = "capacity-block"
+      reservation_id = "cr-0123456789abcdef0"
+    }
+  }
+
+  assert {
+    condition     = aws_launch_template.accelerated["prefill"].instance_market_options[0].market_type == "capacity-block"
+    error_message = "A Capacity Block needs market_type capacity-block."
+  }
+
+  assert {
+    condition     = aws_launch_template.accelerated["prefill"].capacity_reservation_specification[0].capacity_reservation_target[0].capacity_reservation_id == "cr-0123456789abcdef0"
+    error_message = "A Capacity Block needs its reservation as the target."
+  }
+
+  assert {
+    condition     = length(aws_placement_group.cluster) == 0 && length(aws_launch_template.accelerated["prefill"].placement) == 0
+    error_message = "Capacity Blocks are launched without a placement group."
+  }
+}
+
+run "rejects_open_client_cidr" {
+  command = plan
+
+  variables {
+    client_cidrs = ["0.0.0.0/0"]
+  }
+
+  expect_failures = [var.client_cidrs]
+}
+
+run "rejects_unknown_instance_type" {
+  command = plan
+
+  variables {
+    instance_type = "p4d.24xlarge"
+  }
+
+  expect_failures = [var.instance_type]
+}
+
+run "rejects_reservation_without_id" {
+  command = plan
+
+  variables {
+    capacity = {
+      type = "odcr"
+    }
+  }
+
+  expect_failures = [var.capacity]
+}

@@ -1,0 +1,50 @@
+# kvpush test cluster on p5en.48xlarge (8x H200, 16 x 200 Gb/s EFA):
+# one prefill node, one decode node, one proxy/bench node, in one subnet of one AZ.
+
+provider "aws" {
+  region = var.region
+
+  default_tags {
+    tags = {
+      "kvpush:stack" = "p5en"
+      "managed-by"   = "terraform"
+    }
+  }
+}
+
+module "network" {
+  source = "../../modules/network"
+
+  name               = var.name
+  region             = var.region
+  availability_zone  = var.availability_zone
+  create_vpc         = var.existing_subnet_id == ""
+  existing_vpc_id    = var.existing_vpc_id
+  existing_subnet_id = var.existing_subnet_id
+  tags               = var.tags
+}
+
+module "cluster" {
+  source = "../../modules/efa-cluster"
+
+  name          = var.name
+  instance_type = "p5en.48xlarge"
+  vpc_id        = module.network.vpc_id
+  subnet_id     = module.network.subnet_id
+
+  prefill_count     = var.prefill_count
+  decode_count      = var.decode_count
+  client_cidrs      = var.client_cidrs
+  ssh_key_name      = var.ssh_key_name
+  assign_public_ips = module.network.has_internet_gateway
+  capacity          = var.capacity
+
+  existing_placement_group = var.existing_placement_group
+
+  model           = var.model
+  tp_size         = var.tp_size
+  kvpush_repo_url = var.kvpush_repo_url
+  kvpush_ref      = var.kvpush_ref
+  results_bucket  = var.results_bucket
+  tags            = var.tags
+}

@@ -1,0 +1,327 @@
+"""scripts/serve_pd.sh, run_sweep.sh, cleanup.sh and plot_push_vs_pull.sh: shellcheck, the commands they
+build, and real runs against stand-ins for vLLM (fixtures/fake_server.py, fixtures/fake_bench.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.infra.infra_tools import FIXTURES, ROOT, SCRIPTS, infra_tool, run
+
+SCRIPT_DIR = ROOT / "scripts"
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A clean environment: no node or cluster env file unless a test writes one."""
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        "KVPUSH_NODE_ENV": str(tmp_path / "node.env"),
+        "KVPUSH_CLUSTER_ENV": str(tmp_path / "cluster.env"),
+        "KVPUSH_RUN_DIR": str(tmp_path / "run"),
+        "LOG_DIR": str(tmp_path / "logs"),
+        "KV_HOST": "10.0.0.11",
+    }
+    env.update(extra)
+    return env
+
+
+def _script(
+    name: str, env: dict[str, str], *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT_DIR / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=env["HOME"],
+    )
+
+
+def _dry_run(tmp_path: Path, **settings: str) -> list[str]:
+    proc = _script("serve_pd.sh", _env(tmp_path, DRY_RUN="1", **settings))
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout)
+
+
+def _kv_config(argv: list[str]) -> dict[str, object]:
+    config: dict[str, object] = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return config
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_shellcheck(script: str) -> None:
+    proc = run([infra_tool("shellcheck"), "-s", "bash", str(SCRIPT_DIR / script)])
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_are_executable_and_strict(script: str) -> None:
+    path = SCRIPT_DIR / script
+    assert os.access(path, os.X_OK)
+    assert "set -euo pipefail" in path.read_text()
+
+
+def test_prefill_command_uses_the_kvpush_connector(tmp_path: Path) -> None:
+    argv = _dry_run(tmp_path, ROLE="prefill", MODE="push", MODEL="m", TP_SIZE="8", KVPUSH_CLUSTER="c1")
+    assert argv[:3] == ["vllm", "serve", "m"]
+    assert argv[argv.index("--port") + 1] == "8100"
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "8"
+    assert argv[argv.index("--max-model-len") + 1] == "32768"
+    assert argv[argv.index("--max-num-seqs") + 1] == "8"
+    assert "--no-enable-prefix-caching" not in argv
+    assert _kv_config(argv) == {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.platforms.vllm",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cuda",
+        "engine_id": "c1-prefill-0",
+        "kv_connector_extra_config": {"port": 5600, "host": "10.0.0.11", "backends": ["LIBFABRIC"]},
+    }
+
+
+def test_decode_command_for_each_connector(tmp_path: Path) -> None:
+    for mode, connector, cls in (
+        ("push", "nixl-push", "NixlPushConnector"),
+        ("pull", "nixl-pull", "NixlConnector"),
+    ):
+        argv = _dry_run(tmp_path, ROLE="decode", MODE=mode, CONNECTOR=connector)
+        assert argv[argv.index("--port") + 1] == "8200"
+        assert "--no-enable-prefix-caching" in argv
+        config = _kv_config(argv)
+        assert config["kv_connector"] == cls and config["kv_role"] == "kv_consumer"
+        assert "kv_connector_module_path" not in config
+        assert config["kv_connector_extra_config"] == {"backends": ["LIBFABRIC"]}
+
+
+def test_pull_mode_defaults_to_vllms_nixl_connector(tmp_path: Path) -> None:
+    argv = _dry_run(tmp_path, ROLE="prefill", MODE="pull")
+    assert _kv_config(argv)["kv_connector"] == "NixlConnector"
+
+
+def test_proxy_command_reads_the_cluster_env_file(tmp_path: Path) -> None:
+    (tmp_path / "cluster.env").write_text(
+        "# written by kvpush cluster env\nKVPUSH_CLUSTER=c1\nPREFILL_HOST=10.0.0.5\nDECODE_HOST=10.0.0.6\n"
+        "PREFILL_TP_SIZE=16\nPROXY_PORT=9000\n"
+    )
+    argv = _dry_run(tmp_path, ROLE="proxy", MODE="push", PROXY_PORT="8000")
+    assert argv[:2] == ["kvpush", "proxy"]
+    opts = dict(zip(argv[2::2], argv[3::2], strict=True))
+    assert opts == {
+        "--host": "0.0.0.0",
+        "--port": "8000",  # the environment wins over the file
+        "--mode": "push",
+        "--prefill": "http://10.0.0.5:8100",
+        "--decode": "http://10.0.0.6:8200",
+        "--prefill-engine-id": "c1-prefill-0",
+        "--prefill-kv-host": "10.0.0.5",
+        "--prefill-kv-port": "5600",
+        "--prefill-tp-size": "16",
+        "--prefill-pp-size": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"ROLE": "prefill", "MODE": "pull", "CONNECTOR": "kvpush"}, "does not do MODE=pull"),
+        ({"ROLE": "decode", "MODE": "push", "CONNECTOR": "nixl-pull"}, "does not do MODE=push"),
+        ({"ROLE": "router"}, "ROLE must be prefill, decode or proxy"),
+        ({"MODE": "push"}, "set ROLE="),
+        ({"ROLE": "proxy", "DECODE_HOST": "10.0.0.6"}, "needs PREFILL_HOST"),
+        ({"ROLE": "prefill", "MODE": "stream"}, "MODE must be push or pull"),
+    ],
+)
+def test_serve_pd_rejects_bad_settings(tmp_path: Path, settings: dict[str, str], message: str) -> None:
+    proc = _script("serve_pd.sh", _env(tmp_path, DRY_RUN="1", **settings))
+    assert proc.returncode == 1
+    assert message in proc.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def fake_bin(tmp_path: Path) -> Path:
+    wrapper = tmp_path / "fake-server"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(str(FIXTURES / "fake_server.py"))} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.fixture
+def unrelated_process() -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(["sleep", "120"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_serve_then_cleanup_stops_only_what_it_started(
+    tmp_path: Path, fake_bin: Path, unrelated_process: subprocess.Popen[bytes]
+) -> None:
+    port = _free_port()
+    env = _env(
+        tmp_path,
+        ROLE="prefill",
+        VLLM_SERVE=str(fake_bin),
+        PREFILL_PORT=str(port),
+        HEALTH_POLL="0.2",
+        HEALTH_TIMEOUT="30",
+        FAKE_RECORD=str(tmp_path / "argv.json"),
+        FAKE_WORKER_PID=str(tmp_path / "worker.pid"),
+        GRACE="5",
+    )
+    proc = _script("serve_pd.sh", env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "server-prefill is up" in proc.stdout
+    server_pid = int((tmp_path / "run" / "server-prefill.pid").read_text())
+    worker_pid = int((tmp_path / "worker.pid").read_text())
+    assert _alive(server_pid) and _alive(worker_pid)
+    recorded = json.loads((tmp_path / "argv.json").read_text())
+    assert recorded["env"] == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.11",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
+    }
+    assert (tmp_path / "logs" / "server-prefill-push-kvpush.log").exists()
+
+    again = _script("serve_pd.sh", env)
+    assert again.returncode == 1 and "already runs" in again.stderr
+
+    # A pid file naming someone else's process (a reused pid): cleanup must leave that process alone.
+    (tmp_path / "run" / "server-decode.pid").write_text(str(unrelated_process.pid))
+    (tmp_path / "run" / "proxy.pid").write_text("999999999")
+
+    stopped = _script("cleanup.sh", env, "server")
+    assert stopped.returncode == 0, stopped.stderr
+    deadline = time.monotonic() + 10
+    while (_alive(server_pid) or _alive(worker_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server_pid) and not _alive(worker_pid), "the engine's process group survived cleanup"
+    assert unrelated_process.poll() is None, "cleanup.sh killed a process it did not start"
+    assert "leaving it alone" in stopped.stderr
+    assert not (tmp_path / "run" / "server-prefill.pid").exists()
+
+    gone = _script("cleanup.sh", env, "proxy")
+    assert gone.returncode == 0 and "is gone" in gone.stdout
+    assert _script("cleanup.sh", env, "everything").returncode == 2
+
+
+def test_serve_reports_an_engine_that_dies(tmp_path: Path) -> None:
+    env = _env(tmp_path, ROLE="decode", VLLM_SERVE="false", HEALTH_POLL="0.2", HEALTH_TIMEOUT="30")
+    proc = _script("serve_pd.sh", env)
+    assert proc.returncode == 1
+    assert "exited before answering" in proc.stderr
+    assert not (tmp_path / "run" / "server-decode.pid").exists()
+
+
+def _sweep(tmp_path: Path, mode: str, **settings: str) -> subprocess.CompletedProcess[str]:
+    bench = f"{shlex.quote(sys.executable)} {shlex.quote(str(FIXTURES / 'fake_bench.py'))} serve"
+    env = _env(
+        tmp_path,
+        MODE=mode,
+        VLLM_BENCH=bench,
+        SKIP_HEALTH="1",
+        RESULT_DIR=str(tmp_path / "results"),
+        FAKE_BENCH_LOG=str(tmp_path / "bench.log"),
+        MODEL="m",
+        **settings,
+    )
+    return _script("run_sweep.sh", env)
+
+
+def test_sweep_writes_one_file_per_point(tmp_path: Path) -> None:
+    lists = {
+        "QPS_LIST": "1 2.5",
+        "INPUT_LENS": "128 1024",
+        "OUTPUT_LENS": "16",
+        "ITERATIONS": "2",
+        "NUM_PROMPTS": "7",
+    }
+    proc = _sweep(tmp_path, "push", **lists)
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in (tmp_path / "results").iterdir())
+    assert names == sorted(
+        f"push_qps{q}_in{i}_out16_iter{it}.json" for q in ("1", "2.5") for i in (128, 1024) for it in (0, 1)
+    )
+    calls = [json.loads(line) for line in (tmp_path / "bench.log").read_text().splitlines()]
+    assert len(calls) == 8
+    first = calls[0]
+    opts = {
+        first[i]: first[i + 1]
+        for i in range(1, len(first) - 1)
+        if first[i].startswith("--") and not first[i + 1].startswith("--")
+    }
+    assert opts["--backend"] == "openai" and opts["--endpoint"] == "/v1/completions"
+    assert opts["--dataset-name"] == "random" and opts["--num-prompts"] == "7"
+    assert opts["--base-url"] == "http://127.0.0.1:8000" and opts["--model"] == "m"
+    assert {"--save-result", "--ignore-eos"} <= set(first)
+    assert {c[c.index("--seed") + 1] for c in calls} == {"0", "1"}
+
+    # The same lists again: every point exists, nothing reruns.
+    again = _sweep(tmp_path, "push", **lists)
+    assert again.returncode == 0 and again.stdout.count("exists, skipped") == 8
+    assert len((tmp_path / "bench.log").read_text().splitlines()) == 8
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"QPS_LIST": "1 fast"}, "not a number"),
+        ({"INPUT_LENS": "0"}, "not a positive whole number"),
+        ({"ITERATIONS": "0"}, "ITERATIONS must be"),
+        ({"LABEL": "Push_1"}, "lower-case letters"),
+    ],
+)
+def test_sweep_rejects_bad_lists(tmp_path: Path, settings: dict[str, str], message: str) -> None:
+    proc = _sweep(tmp_path, "push", **settings)
+    assert proc.returncode == 1 and message in proc.stderr
+
+
+def test_sweep_waits_for_the_proxy(tmp_path: Path) -> None:
+    env = _env(
+        tmp_path, PROXY_PORT=str(_free_port()), HEALTH_TIMEOUT="1", HEALTH_POLL="0.2", VLLM_BENCH="false"
+    )
+    proc = _script("run_sweep.sh", env)
+    assert proc.returncode == 1 and "does not answer 200" in proc.stderr
+
+
+def test_push_and_pull_sweeps_plot(tmp_path: Path) -> None:
+    """The file names run_sweep.sh writes are the ones `kvpush plot` reads."""
+    lists = {"QPS_LIST": "1 2", "INPUT_LENS": "128 256", "OUTPUT_LENS": "16"}
+    assert _sweep(tmp_path, "push", **lists).returncode == 0
+    assert _sweep(tmp_path, "pull", **lists).returncode == 0
+    kvpush = Path(sys.executable).with_name("kvpush")
+    env = _env(tmp_path, KVPUSH_BIN=str(kvpush), MPLBACKEND="Agg")
+    proc = _script("plot_push_vs_pull.sh", env, str(tmp_path / "results"), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for metric in ("ttft", "tpot"):
+        png = tmp_path / "results" / f"{metric}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
