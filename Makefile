@@ -30,13 +30,13 @@ demo: venv
 	$(BIN)/kvpush demo
 
 test: venv $(TEST_DEPS)
-	$(BIN)/ruff check kvpush backends platforms tests
+	$(BIN)/ruff check kvpush backends platforms tests examples
 	$(BIN)/mypy --strict $(STRICT_CORE)
 	$(BIN)/mypy kvpush
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
-	$(BIN)/ruff check kvpush backends platforms tests
+	$(BIN)/ruff check kvpush backends platforms tests examples
 
 typecheck: venv
 	$(BIN)/mypy --strict $(STRICT_CORE)
