@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 import zmq
-from kvpush.backends.host import HostKVCache
 
 from kvpush.api import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
+from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.layout import KVLayout, LayoutError
 from kvpush.transport.memory import MemoryHub, MemoryTransport

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpush.backends.host import HostKVCache
 
+from kvpush.backends.host import HostKVCache
 from kvpush.layout import KVLayout, LayoutError
 from kvpush.plan import build_plan
 from kvpush.tp import receivers_for, senders_for
