@@ -325,10 +325,20 @@ class _PushWorker(Worker):
 
 
 class _Endpoint:
-    _worker: Worker
+    """What both endpoints share: the worker thread's lifecycle, stats and pending count."""
+
+    def __init__(self, config: KVPushConfig, layout: KVLayout, worker: _PushWorker | _ReceiveWorker) -> None:
+        if not layout.regions:
+            raise LayoutError(f"{type(self).__name__} needs a layout placed in memory (regions and planes)")
+        self.config = config
+        self.layout = layout
+        self._worker = worker
+
+    def start(self) -> None:
+        self._worker.start()
 
     def __enter__(self) -> Any:
-        self.start()  # type: ignore[attr-defined]
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -340,9 +350,12 @@ class _Endpoint:
     def stats(self) -> dict[str, int]:
         c = self._worker.counters
         out = {k: getattr(c, k) for k in c.__dataclass_fields__}
-        state = getattr(self._worker, "state", None)
-        out.update(getattr(state, "order_counts", {}))
+        out.update(getattr(self._worker.state, "order_counts", {}))
         return out
+
+    def pending(self) -> int:
+        """Requests the state machine still tracks (asked on the worker thread)."""
+        return int(self._worker.call(lambda: len(self._worker.state), self.config.handshake_timeout_s))
 
 
 class PrefillEndpoint(_Endpoint):
@@ -350,14 +363,8 @@ class PrefillEndpoint(_Endpoint):
 
     def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str = "DRAM",
                  transport: Transport | None = None) -> None:
-        if not layout.regions:
-            raise LayoutError("PrefillEndpoint needs a layout placed in memory (regions and planes)")
-        self.config = config
-        self.layout = layout
-        self._worker = self._push = _PushWorker(config, layout, mem_type, transport)
-
-    def start(self) -> None:
-        self._push.start()
+        self._push = _PushWorker(config, layout, mem_type, transport)
+        super().__init__(config, layout, self._push)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -374,9 +381,6 @@ class PrefillEndpoint(_Endpoint):
 
     def finished(self) -> list[SendResult]:
         return _drain(self._push.results)
-
-    def pending(self) -> int:
-        return int(self._push.call(lambda: len(self._push.state), self.config.handshake_timeout_s))
 
 
 # ====================================================================================================
@@ -510,7 +514,7 @@ class _ReceiveWorker(Worker):
 
     def _finish(self, act: Ready | Failed) -> None:
         now = time.monotonic()
-        if self.route.get(act.request_id) is not None and act.request_id not in self.state_requests():
+        if not self.state.tracks(act.request_id):
             self.route.pop(act.request_id, None)
         ok = isinstance(act, Ready)
         if isinstance(act, Ready):
@@ -524,9 +528,6 @@ class _ReceiveWorker(Worker):
         metrics.REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         self.results.put(result)
         self.ready_event.set()
-
-    def state_requests(self) -> set[str]:
-        return {rid for rid, _a in self.state._live}
 
     # ---- commands -----------------------------------------------------------------------------
     def cmd_expect(self, request_id: str, blocks: tuple[int, ...], num_tokens: int,
@@ -554,14 +555,8 @@ class DecodeEndpoint(_Endpoint):
 
     def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str = "DRAM",
                  transport: Transport | None = None) -> None:
-        if not layout.regions:
-            raise LayoutError("DecodeEndpoint needs a layout placed in memory (regions and planes)")
-        self.config = config
-        self.layout = layout
-        self._worker = self._recv = _ReceiveWorker(config, layout, mem_type, transport)
-
-    def start(self) -> None:
-        self._recv.start()
+        self._recv = _ReceiveWorker(config, layout, mem_type, transport)
+        super().__init__(config, layout, self._recv)
 
     def connect(self, prefill: PrefillAddress, timeout: float | None = None) -> None:
         """Handshake with every prefill rank this rank needs, now; raise LayoutError on a mismatch.
@@ -600,9 +595,6 @@ class DecodeEndpoint(_Endpoint):
             return got
         self._recv.ready_event.wait(timeout)
         return self.finished()
-
-    def pending(self) -> int:
-        return int(self._recv.call(lambda: len(self._recv.state), self.config.handshake_timeout_s))
 
 
 def _checked_blocks(layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:

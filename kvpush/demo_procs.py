@@ -78,6 +78,15 @@ def make_cache(layout: KVLayout, device: str) -> Any:
     return HostKVCache(layout)
 
 
+def _stats_reply(eps: list[Any], alloc: BlockAllocator, geo: Geometry) -> tuple[Any, ...]:
+    """Counters summed over this process's ranks, and how many blocks are free (all, if none leaked)."""
+    agg: dict[str, int] = {}
+    for ep in eps:
+        for k, v in ep.stats().items():
+            agg[k] = agg.get(k, 0) + v
+    return ("stats", agg, len(alloc.free), geo.num_blocks)
+
+
 def _raw_transport(name: str, cache: Any) -> Any:
     from kvpush.transport.nixl import NixlTransport
     t = NixlTransport(name)
@@ -125,11 +134,7 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                         ep.prefill_done(rid, blocks, n)
                     conn.send(("prefilled", rid, at))
                 elif kind == "stats":
-                    agg: dict[str, int] = {}
-                    for ep in eps:
-                        for k, v in ep.stats().items():
-                            agg[k] = agg.get(k, 0) + v
-                    conn.send(("stats", agg, len(alloc.free), geo.num_blocks))
+                    conn.send(_stats_reply(eps, alloc, geo))
                 elif kind == "raw_peer":
                     raw = raw or _raw_transport("demo-raw-prefill", caches[0])
                     conn.send(("raw_peer", raw.add_peer(cmd[1])))
@@ -221,11 +226,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                             break
                         time.sleep(20e-6)
                 elif kind == "stats":
-                    agg: dict[str, int] = {}
-                    for ep in eps:
-                        for k, v in ep.stats().items():
-                            agg[k] = agg.get(k, 0) + v
-                    conn.send(("stats", agg, len(alloc.free), geo.num_blocks))
+                    conn.send(_stats_reply(eps, alloc, geo))
                 elif kind == "stop":
                     break
             for rank, ep in enumerate(eps):

@@ -89,6 +89,10 @@ class ReceiverState:
     def __len__(self) -> int:
         return len(self._live)
 
+    def tracks(self, request_id: str) -> bool:
+        """True while any attempt of request_id is still live (waiting or settling)."""
+        return any(rid == request_id for rid, _attempt in self._live)
+
     def waiting(self) -> int:
         return sum(1 for a in self._live.values() if a.phase is Phase.WAITING)
 
