@@ -168,11 +168,12 @@ class _PushWorker(Worker):
         if self.writes:
             did = self._progress_writes(now) or did
         assert self.transport is not None
-        # the target-side of notifications (none expected here) still needs UCX progress
-        for peer, _msg in self.transport.drain_notifs():
-            log.debug("kvpush prefill: ignored notification from %s", peer)
         if now >= self._next_tick:
             self._next_tick = now + 0.01
+            if len(self.state):
+                # prefill expects no notifications; draining keeps UCX progressing while requests are live
+                for peer, _msg in self.transport.drain_notifs():
+                    log.debug("kvpush prefill: ignored notification from %s", peer)
             self._apply(self.state.on_tick(now))
         return did
 

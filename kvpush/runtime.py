@@ -175,6 +175,12 @@ class Worker:
         """True while transfers are in flight or expected: poll fast."""
         raise NotImplementedError
 
+    def idle_wait_ms(self) -> int:
+        """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
+        timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
+        tracked = len(getattr(self, "state", ()))
+        return max(1, int(self.config.idle_poll_s * (1000 if tracked else 5000)))
+
     # loop ---------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
@@ -184,7 +190,7 @@ class Worker:
             self._started.set()
             return
         self._started.set()
-        busy_s, idle_ms = self.config.busy_poll_s, max(1, int(self.config.idle_poll_s * 1000))
+        busy_s = self.config.busy_poll_s
         try:
             while not self._stop.is_set():
                 while True:
@@ -199,7 +205,7 @@ class Worker:
                 if self.busy():
                     time.sleep(busy_s)
                 else:
-                    self.poller.poll(idle_ms)
+                    self.poller.poll(self.idle_wait_ms())
                     self.doorbell.clear()
         except BaseException as exc:  # noqa: BLE001 - the endpoint reports it on the next call
             self.fatal = exc
