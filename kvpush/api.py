@@ -352,6 +352,7 @@ class _Endpoint:
         c = self._worker.counters
         out = {k: getattr(c, k) for k in c.__dataclass_fields__}
         out.update(getattr(self._worker.state, "order_counts", {}))
+        out["pending"] = len(self._worker.state)  # a racy read is fine for a gauge
         return out
 
     def pending(self) -> int:
@@ -539,6 +540,12 @@ class _ReceiveWorker(Worker):
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
 
+    def cmd_cancel(self, request_id: str, prefill: PrefillAddress, reason: str) -> None:
+        self.route.setdefault(request_id, prefill)
+        self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic()))
+        if not self.state.tracks(request_id):
+            self.route.pop(request_id, None)
+
     def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[_PrefillPeer]:
         from .tp import senders_for
         ranks = senders_for(self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads)
@@ -585,6 +592,11 @@ class DecodeEndpoint(_Endpoint):
 
     def abort(self, request_id: str, reason: str = "aborted by decode engine") -> None:
         self._recv.submit(lambda: self._recv.cmd_abort(request_id, reason))
+
+    def cancel(self, request_id: str, prefill: PrefillAddress, reason: str = "cancelled by decode engine") -> None:
+        """Like abort(), but also for a request expect() never saw (dropped before allocation): the
+        prefill ranks that would have written it are told, and free its blocks at once."""
+        self._recv.submit(lambda: self._recv.cmd_cancel(request_id, prefill, reason))
 
     def finished(self) -> list[RecvResult]:
         self._recv.ready_event.clear()

@@ -144,6 +144,16 @@ class ReceiverState:
             return [Discarded(f"abort of unknown request {request_id!r}")]
         return self._end(att, reason, now) + self._settle(att)
 
+    def cancel(self, request_id: str, prefill_tp: int, reason: str, now: float) -> list[ReceiverAction]:
+        """Abort whether or not expect() ran. A request dropped before its blocks were allocated still
+        tells the prefill ranks that would have owed it, so prefill frees its blocks now, not at lease
+        expiry."""
+        if self.tracks(request_id):
+            return self.abort(request_id, reason, now)
+        msg = Abort(request_id=request_id, attempt=self._next_attempt.get(request_id, 0),
+                    decode_engine_id=self.engine_id, decode_rank=self.rank, reason=reason)
+        return [SendAbort(p, msg) for p in sorted(senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads))]
+
     def on_tick(self, now: float) -> list[ReceiverAction]:
         actions: list[ReceiverAction] = []
         for att in list(self._live.values()):

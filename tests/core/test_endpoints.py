@@ -198,3 +198,13 @@ def test_engine_calls_refuse_bad_tables_at_once(pair):
     with pytest.raises(ValueError, match="num_tokens"):
         p.prefill_done("zero", [1], 0)
     assert p.pending() == 0 and d.pending() == 0
+
+
+def test_cancel_before_expect_frees_prefill_blocks_at_once(pair):
+    hub, src, dst, p, d, addr = pair
+    p.prefill_done("dropped", [6, 7], 8)
+    time.sleep(0.05)
+    d.cancel("dropped", addr, "client disconnected before decode scheduled it")
+    [sent] = until(p.finished, timeout=1.5)  # the lease is 2 s: this must come from the cancel
+    assert not sent.ok and sent.block_ids == (6, 7) and "client disconnected" in sent.reason
+    assert p.pending() == 0 and d.pending() == 0

@@ -1,0 +1,161 @@
+"""Build a tiny Llama model offline, with a per-rank KV geometry like a real model's.
+
+No model can be downloaded on CI machines, so tests and benchmarks build one: a byte-level BPE tokenizer
+trained on text that ships with Python, and a LlamaConfig with random weights. Compute stays cheap
+(small hidden size) while the KV cache keeps a realistic shape: many layers and one or two KV heads of
+128 dims, so bytes and descriptors per request look like one TP rank of a large model.
+
+The build is deterministic (fixed seeds) and cached: the directory name encodes the geometry, and a
+finished build leaves a `.complete` marker, so concurrent builders and interrupted builds are safe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_CACHE = Path(os.environ.get("KVPUSH_MODEL_CACHE", Path.home() / ".cache" / "kvpush" / "models"))
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    num_layers: int = 32
+    hidden_size: int = 128
+    num_heads: int = 2
+    num_kv_heads: int = 1
+    head_dim: int = 128
+    intermediate_size: int = 256
+    vocab_size: int = 4096
+    max_position: int = 16384
+    dtype: str = "float32"
+    init_std: float = 0.2  # peaked logits keep greedy decoding far from ties
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"tiny-llama-l{self.num_layers}-h{self.hidden_size}-kv{self.num_kv_heads}x{self.head_dim}"
+                f"-{self.dtype}-v{self.vocab_size}-s{self.seed}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * size
+
+
+# Named variants: "fast" for correctness tests, "realistic" (32 KiB/token, like Qwen3-32B per TP8 rank).
+VARIANTS: dict[str, TinyModelSpec] = {
+    "fast": TinyModelSpec(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64),
+    "realistic": TinyModelSpec(num_layers=32, dtype="float32"),
+    "realistic-bf16": TinyModelSpec(num_layers=64, dtype="bfloat16"),
+}
+
+
+def _training_text(limit_bytes: int = 4_000_000) -> list[str]:
+    """Text that exists on every machine with Python: the standard library's sources and docstrings."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= limit_bytes:
+            break
+    return texts
+
+
+def _build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": spec.max_position, "clean_up_tokenization_spaces": False,
+        # A plain chat template so /v1/chat/completions works.
+        "chat_template": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}"),
+    }))
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+
+
+def _build_weights(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position, initializer_range=spec.init_std,
+        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Keep the residual stream from blowing up with large init: scale output projections down.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    model = model.to(getattr(torch, spec.dtype))
+    model.config.dtype = spec.dtype
+    model.save_pretrained(str(out), safe_serialization=True)
+    # EOS never sampled: outputs always run to max_tokens, so lengths are exactly comparable.
+    gen = {"bos_token_id": 0, "eos_token_id": 1}
+    (out / "generation_config.json").write_text(json.dumps(gen))
+
+
+def build(spec: TinyModelSpec | str = "fast", cache_dir: Path | str | None = None) -> Path:
+    """Return the directory of the model, building it first if needed."""
+    if isinstance(spec, str):
+        spec = VARIANTS[spec]
+    cache = Path(cache_dir) if cache_dir else DEFAULT_CACHE
+    target = cache / spec.name
+    if (target / ".complete").exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=spec.name + ".", dir=cache))
+    try:
+        _build_tokenizer(spec, tmp)
+        vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
+        _build_weights(spec, tmp, vocab_size=max(len(vocab), 8))
+        (tmp / "kvpush_spec.json").write_text(json.dumps(asdict(spec)))
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            tmp.rename(target)
+        except OSError:  # another builder won the race
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="fast", choices=sorted(VARIANTS))
+    p.add_argument("--cache-dir", default=None)
+    args = p.parse_args(argv)
+    print(build(args.variant, args.cache_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

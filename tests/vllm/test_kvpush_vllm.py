@@ -1,0 +1,199 @@
+"""Real vLLM (CPU) + real NIXL: kvpush's connector end to end.
+
+Servers start once per module: a single engine (the reference) and a kvpush prefill/decode pair behind
+the kvpush proxy, all with the fast tiny model (2 layers). A third decode with another model checks
+that a layout mismatch stops the engine at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvpush.platforms.vllm import client  # noqa: E402
+from kvpush.platforms.vllm.serve_pd import EngineSpec, free_port, start_pd, start_single  # noqa: E402
+from kvpush.platforms.vllm.tiny_model import build  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+MAX_TOKENS = 16
+# 24 prompts from 3 to ~1500 words (about 5 to 3000 tokens): within one block, across blocks, many blocks.
+LENGTHS = [3, 17, 60, 127, 128, 129, 250, 400, 700, 1000, 1500, 40]
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(build("fast"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="module")
+def pd(model: str, logs: Path):
+    stats = logs / "stats"
+    extra = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
+    dep = start_pd("kvpush", model, logs, prefill_extra=extra, decode_extra=extra)
+    dep.stats_dir = stats  # type: ignore[attr-defined]
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def single(model: str, logs: Path, pd):
+    # Started after the P/D pair is up so the two start-ups do not fight for the 2 cores.
+    dep = start_single(model, logs, cores="0")
+    yield dep
+    dep.stop()
+
+
+def _stats(dep, role: str) -> dict:
+    path = Path(dep.stats_dir) / f"kvpush-{role}-rank0.json"
+    deadline = time.monotonic() + 10
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return json.loads(path.read_text())
+
+
+def _wait(pred, timeout: float = 20.0, step: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(step)
+    return pred()
+
+
+def test_outputs_equal_single_engine_token_for_token(pd, single, model: str) -> None:
+    prompts = client.make_prompts(24, LENGTHS, seed=7)
+    want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
+    got = client.complete_many(pd.url, model, prompts, MAX_TOKENS, concurrency=4)
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert len(w) == MAX_TOKENS
+        assert g == w, f"prompt {i} ({len(prompts[i].split())} words): P/D {g} != single {w}"
+
+
+def test_decode_received_kv_and_did_not_recompute_the_prompt(pd, model: str) -> None:
+    decode = pd.engines[1]
+    before = client.metrics(decode.url)
+    prompts = client.make_prompts(4, [300, 900], seed=11)
+    client.complete_many(pd.url, model, prompts, 4, concurrency=2)
+    after = client.metrics(decode.url)
+
+    def delta(source: str) -> float:
+        name = "vllm:prompt_tokens_by_source_total"
+        return client.metric(after, name, source=source) - client.metric(before, name, source=source)
+
+    assert delta("external_kv_transfer") > 1000
+    assert delta("local_compute") <= len(prompts)  # at most the last prompt token, recomputed
+    # the stats files are rewritten at most 4 times a second: wait until both sides caught up
+    _wait(lambda: _stats(pd, "prefill")["send_bytes"] == _stats(pd, "decode")["recv_bytes"])
+    d, p = _stats(pd, "decode"), _stats(pd, "prefill")
+    assert d["recv_ok"] >= 4 and d["recv_bytes"] > 0 and d["endpoint"]["bytes"] > 0
+    assert p["send_bytes"] == d["recv_bytes"]
+    assert d["recv_failed"] == 0 and p["sent_failed"] == 0
+
+
+def _direct(url: str, model: str, prompt: str, params: dict, rid: str, max_tokens: int,
+            timeout: float = 120.0) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "kv_transfer_params": params, "return_token_ids": True}
+    return client.post_json(url + "/v1/completions", body, timeout, {"X-Request-Id": rid})
+
+
+def test_both_event_orders_occur(pd, single, model: str) -> None:
+    prefill, decode = pd.engines
+    push = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id, "remote_host": "127.0.0.1",
+            "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1}
+    prompt = client.make_prompts(1, [500], seed=3)[0]
+    want = client.complete(single.url, model, prompt, 8)
+    before = _stats(pd, "prefill")["order_counts"]
+
+    # prefill first: the prefill finishes and holds its blocks; the decode registers later.
+    rid = f"order-p-{uuid.uuid4().hex[:8]}"
+    _direct(prefill.url, model, prompt, {"do_remote_decode": True}, rid, 1)
+    out = _direct(decode.url, model, prompt, dict(push, remote_request_id=rid), rid, 8)
+    assert out["choices"][0]["token_ids"] == want
+
+    # registration first: the decode registers, then the prefill runs.
+    rid = f"order-r-{uuid.uuid4().hex[:8]}"
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(
+        _direct(decode.url, model, prompt, dict(push, remote_request_id=rid), rid, 8)))
+    t.start()
+    time.sleep(1.5)
+    _direct(prefill.url, model, prompt, {"do_remote_decode": True}, rid, 1)
+    t.join(60)
+    assert result["choices"][0]["token_ids"] == want
+
+    after = _wait(lambda: (c := _stats(pd, "prefill")["order_counts"])["prefill_first"] > before.get(
+        "prefill_first", 0) and c)
+    assert after["prefill_first"] > before.get("prefill_first", 0)
+    assert after["registration_first"] > before.get("registration_first", 0)
+
+
+def _kv_usage(url: str) -> float:
+    return client.metric(client.metrics(url), "vllm:kv_cache_usage_perc")
+
+
+def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
+    prefill, decode = pd.engines
+    # A long prompt through the proxy; the client gives up while the prefill is still computing.
+    prompt = client.make_prompts(1, [1800], seed=5)[0]
+    with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+        client.complete(pd.url, model, prompt, 64, timeout=0.3)
+    # A decode whose prefill never comes: the client gives up while the decode waits for KV.
+    push = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id, "remote_host": "127.0.0.1",
+            "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1, "remote_request_id": "never"}
+    with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
+        _direct(decode.url, model, prompt, push, f"abort-{uuid.uuid4().hex[:8]}", 8, timeout=1.0)
+    assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0, timeout=30), (
+        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}")
+    assert _wait(lambda: _stats(pd, "decode")["outstanding"] == 0 and _stats(pd, "prefill")["outstanding"] == 0,
+                 timeout=30)
+    # and the pair still serves
+    assert len(client.complete(pd.url, model, "import os", 4)) == 4
+
+
+def test_layout_mismatch_fails_at_startup(pd, logs: Path) -> None:
+    prefill = pd.engines[0]
+    other = str(build("realistic"))  # 32 layers, 1 KV head x 128: cannot take the fast model's KV
+    spec = EngineSpec("decode", other, free_port(), "1", "kvpush", "kvpush-mismatch", free_port(),
+                      max_model_len=4096, extra_config={"prefill_addresses": [
+                          {"engine_id": prefill.engine_id, "host": "127.0.0.1", "port": prefill.kv_port}],
+                          "connect_timeout_s": 60})
+    argv, env = spec.command()
+    log_path = logs / "mismatch-decode.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(240)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            pytest.fail(f"decode with a mismatched layout kept running; log {log_path}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+    text = log_path.read_text(errors="replace")
+    assert rc != 0
+    assert "cannot receive KV from prefill" in text and "layout mismatch" in text, text[-3000:]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
