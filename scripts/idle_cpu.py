@@ -1,0 +1,54 @@
+"""Idle CPU of kvpush's background threads: a prefill and a decode endpoint, handshaken, no traffic.
+
+Reads each thread's run time from /proc/self/task/TID/schedstat over --seconds. Usage:
+    python scripts/idle_cpu.py --seconds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+from kvpush.api import DecodeEndpoint, PrefillAddress, PrefillEndpoint  # noqa: E402
+from kvpush.backends.host import HostKVCache  # noqa: E402
+from kvpush.config import KVPushConfig  # noqa: E402
+from kvpush.layout import KVLayout  # noqa: E402
+
+
+def thread_cpu_ns(tid: int) -> int:
+    """Nanoseconds the thread has run (schedstat: exact, unlike the tick-sampled utime/stime)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    geo = dict(num_layers=4, total_kv_heads=1, head_dim=128, dtype_size=2)
+    src = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
+    dst = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
+    with PrefillEndpoint(KVPushConfig(engine_id="P", port=0), src.layout) as p, \
+            DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout) as d:
+        d.connect(PrefillAddress("P", *p.address))
+        time.sleep(1.0)
+        tids = {t.name: t.native_id for t in threading.enumerate() if t.name.startswith("kvpush-")}
+        before = {n: thread_cpu_ns(t) for n, t in tids.items() if t}
+        wall0, cpu0 = time.monotonic(), time.process_time()
+        time.sleep(args.seconds)
+        wall = time.monotonic() - wall0
+        for name, tid in tids.items():
+            if tid:
+                pct = 100 * (thread_cpu_ns(tid) - before[name]) / 1e9 / wall
+                print(f"{name}: {pct:.2f}% of a core")
+        print(f"whole process (both endpoints, idle): {100 * (time.process_time() - cpu0) / wall:.2f}% of a core")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
