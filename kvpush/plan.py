@@ -79,7 +79,6 @@ def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
     full = (g1 - g0) == src.num_kv_heads == dst.num_kv_heads
     if src.token_order == "NHD" and not full:
         tok = np.arange(n, dtype=np.int64)  # one piece per token: the head slice of that token
-        ntok = np.ones_like(tok)
         head = np.full_like(tok, g0)
         length = np.full_like(tok, (g1 - g0) * unit)
     else:
@@ -87,14 +86,13 @@ def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
         starts = np.arange(0, n, chunk, dtype=np.int64)
         counts = np.minimum(chunk, n - starts)
         if src.token_order == "NHD":  # full heads: a token run is contiguous on both sides
-            tok, ntok, head = starts, counts, np.full_like(starts, g0)
+            tok, head = starts, np.full_like(starts, g0)
             length = counts * (g1 - g0) * unit
         else:  # HND: per head, a token run inside a block is contiguous
             nh = g1 - g0
             tok = np.repeat(starts, nh)
-            ntok = np.repeat(counts, nh)
             head = np.tile(np.arange(g0, g1, dtype=np.int64), starts.shape[0])
-            length = ntok * unit
+            length = np.repeat(counts, nh) * unit
 
     def offsets(layout: KVLayout, table: I64, lo: int) -> I64:
         blk = table[tok // layout.block_size]
@@ -106,7 +104,6 @@ def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
             inner = (h * layout.block_size + t_in) * unit
         return blk * layout.block_stride + inner
 
-    del ntok
     return offsets(src, s_tab, s_lo), offsets(dst, d_tab, d_lo), length
 
 
