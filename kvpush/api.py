@@ -99,8 +99,10 @@ class _DecodePeer:
     layout: KVLayout
 
 
-class _PushWorker(Worker):
-    name = "kvpush-push"
+class _EndpointWorker(Worker):
+    """A worker that owns one rank's NIXL agent: created and registered on its own thread at start."""
+
+    role = ""
 
     def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
                  transport: Transport | None) -> None:
@@ -108,6 +110,25 @@ class _PushWorker(Worker):
         self.layout = layout
         self.mem_type = mem_type
         self.transport = transport
+        self._next_tick = 0.0
+        self.labels = (self.role, config.engine_id, str(layout.tp_rank))
+
+    def setup_transport(self) -> Transport:
+        if self.transport is None:
+            self.transport = _new_transport(self.config, self.role, self.layout.tp_rank)
+        self.transport.register(self.layout.regions, self.mem_type)
+        self.hello = make_hello(self.config, self.role, self.transport.name, self.transport.metadata(),
+                                self.mem_type, self.layout)
+        return self.transport
+
+
+class _PushWorker(_EndpointWorker):
+    name = "kvpush-push"
+    role = "prefill"
+
+    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
+                 transport: Transport | None) -> None:
+        super().__init__(config, layout, mem_type, transport)
         self.state = SenderState(layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s,
                                  config.tombstone_s)
         self.results: queue.SimpleQueue[SendResult] = queue.SimpleQueue()
@@ -115,13 +136,9 @@ class _PushWorker(Worker):
         self.writes: list[_Write] = []
         self.prefill_done_at: dict[str, float] = {}
         self.bound_port = 0
-        self._next_tick = 0.0
-        self.labels = ("prefill", config.engine_id, str(layout.tp_rank))
 
     def setup(self) -> None:
-        if self.transport is None:
-            self.transport = _new_transport(self.config, "prefill", self.layout.tp_rank)
-        self.transport.register(self.layout.regions, self.mem_type)
+        self.setup_transport()
         self.sock = self.zmq.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -132,8 +149,6 @@ class _PushWorker(Worker):
         else:
             self.bound_port = self.sock.bind_to_random_port(f"tcp://{self.config.host}")
         self.poller.register(self.sock, zmq.POLLIN)
-        self.hello = make_hello(self.config, "prefill", self.transport.name, self.transport.metadata(),
-                                self.mem_type, self.layout)
         build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
 
     def teardown(self) -> None:
@@ -398,31 +413,22 @@ class _PrefillPeer:
     waiters: list[threading.Event] = field(default_factory=list)
 
 
-class _ReceiveWorker(Worker):
+class _ReceiveWorker(_EndpointWorker):
     name = "kvpush-recv"
+    role = "decode"
 
     def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
                  transport: Transport | None) -> None:
-        super().__init__(config)
-        self.layout = layout
-        self.mem_type = mem_type
-        self.transport = transport
+        super().__init__(config, layout, mem_type, transport)
         self.state = ReceiverState(config.engine_id, layout.tp_rank, layout.tp_size, layout.total_kv_heads,
                                    config.ready_timeout_s)
         self.results: queue.SimpleQueue[RecvResult] = queue.SimpleQueue()
         self.ready_event = threading.Event()
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
-        self.agent_to_rank: dict[str, tuple[str, int]] = {}
-        self._next_tick = 0.0
-        self.labels = ("decode", config.engine_id, str(layout.tp_rank))
 
     def setup(self) -> None:
-        if self.transport is None:
-            self.transport = _new_transport(self.config, "decode", self.layout.tp_rank)
-        self.transport.register(self.layout.regions, self.mem_type)
-        self.hello = make_hello(self.config, "decode", self.transport.name, self.transport.metadata(),
-                                self.mem_type, self.layout)
+        self.setup_transport()
 
     def teardown(self) -> None:
         assert self.transport is not None
