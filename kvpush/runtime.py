@@ -124,6 +124,7 @@ class Worker:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.fatal: BaseException | None = None
+        self._closed = False
 
     # lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -134,10 +135,14 @@ class Worker:
             raise self._start_error
 
     def stop(self) -> None:
+        """Stop the thread (it tears its transport down) and close the doorbell; idempotent."""
         self._stop.set()
-        self.doorbell.ring()
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            self.doorbell.ring()
             self._thread.join(timeout=10)
+        if not self._closed:
+            self._closed = True
+            self.doorbell.close()
 
     def submit(self, fn: Callable[[], None]) -> None:
         if self.fatal is not None:
@@ -190,7 +195,8 @@ class Worker:
             self._started.set()
             return
         self._started.set()
-        busy_s = self.config.busy_poll_s
+        fast, slowest = self.config.busy_poll_s, self.config.max_busy_poll_s
+        nap = fast
         try:
             while not self._stop.is_set():
                 while True:
@@ -199,22 +205,28 @@ class Worker:
                     except queue.Empty:
                         break
                     cmd()
-                did = self.step(time.monotonic())
-                if did:
+                    nap = fast
+                if self.step(time.monotonic()):
+                    nap = fast
                     continue
                 if self.busy():
-                    time.sleep(busy_s)
+                    # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
+                    # so that a doorbell (new work) or a side-channel message cuts the nap short
+                    if nap >= 1e-3:
+                        self.poller.poll(int(nap * 1000))
+                        self.doorbell.clear()
+                    else:
+                        time.sleep(nap)
+                    nap = min(nap * 2, slowest)
                 else:
                     self.poller.poll(self.idle_wait_ms())
                     self.doorbell.clear()
+                    nap = fast
         except BaseException as exc:  # noqa: BLE001 - the endpoint reports it on the next call
             self.fatal = exc
             log.exception("kvpush worker %s died", self.name)
         finally:
-            try:
-                self.teardown()
-            finally:
-                self.doorbell.close()
+            self.teardown()
 
     def decode_or_count(self, data: bytes, origin: str) -> Message | None:
         """Decode one message; a bad one is counted and logged, never raised into the loop."""
