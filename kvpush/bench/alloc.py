@@ -36,6 +36,24 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         self._free.extend(reversed(blocks))
 
+    def age(self, sizes: list[int], concurrency: int, total_blocks: int) -> None:
+        """Churn the free queue as a server that has already served `total_blocks` blocks' worth of
+        requests (sizes in blocks, cycled; `concurrency` live at a time, freed oldest first), then free
+        everything. Deterministic, so every mode starts from the same pool state."""
+        from collections import deque as _deque
+
+        live: _deque[list[int]] = _deque()
+        served, i = 0, 0
+        while served < total_blocks:
+            n = sizes[i % len(sizes)]
+            i += 1
+            while live and (len(live) >= concurrency or not self.can_allocate(n)):
+                self.free(live.popleft())
+            live.append(self.allocate(n))
+            served += n
+        while live:
+            self.free(live.popleft())
+
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)

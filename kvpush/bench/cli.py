@@ -32,6 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-model", default=None, help="TOML cost model (default: Qwen3-32B TP8 H200)")
     parser.add_argument("--pull-descriptor-merge", choices=("in-order", "sorted"), default=None,
                         help="override the cost model's pull descriptor count model")
+    parser.add_argument("--pool-aging-wraps", type=float, default=None,
+                        help="override the cost model's pool aging (0: fresh pools; 1: one wrap, block "
+                             "tables descending; 2: default, ascending)")
     parser.add_argument("--base-port", type=int, default=25600)
     parser.add_argument("--out", default="results", help="results folder")
     parser.add_argument("--quick", action="store_true",
@@ -76,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     spec: dict[str, Any] = {"path": args.cost_model, "overrides": {}}
     if args.pull_descriptor_merge:
         spec["overrides"]["pull"] = {"descriptor_merge": args.pull_descriptor_merge}
+    spec["overrides"]["emulation"] = {"age_input_lens": in_lens, "age_output_len": args.output_len}
+    if args.pool_aging_wraps is not None:
+        spec["overrides"]["emulation"]["pool_aging_wraps"] = args.pool_aging_wraps
     cm = CostModel.from_spec(spec)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,16 +92,19 @@ def run(args: argparse.Namespace) -> int:
                                "points": [], "breakdown": {}}
     t_start = time.monotonic()
     try:
-        for i, m in enumerate(modes):
-            console.log(f"starting {m} engines")
-            p = EnginePair(m, args.base_port + 10 * i, spec)
-            p.start(ctx)
-            pairs[m] = p
+        console.log(f"starting {', '.join(modes)} engines")
+        for i, m in enumerate(modes):  # all modes' engines start side by side (spawn + pools + NIXL)
+            pairs[m] = EnginePair(m, args.base_port + 10 * i, spec)
+            pairs[m].start_prefill(ctx)
+        for p in pairs.values():
+            p.wait_prefill()
+            p.start_decode(ctx, wait=False)
+        for p in pairs.values():
+            p.wait_decode()
+        for p in pairs.values():
             if args.warmup:
                 p.run_point(4.0, min(in_lens), 8, args.warmup, seed=10_000 + args.seed, tag="warmup")
-        from kvpush.bench.dataplane import TRANSPORT_IMPL
-
-        summary["transport_impl"] = TRANSPORT_IMPL
+        summary["transport_impl"] = "kvpush.transport.nixl.NixlTransport"
         points = [(it, q, n) for it in range(args.iterations) for n in in_lens for q in qps_list]
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                       TimeElapsedColumn(), console=console, disable=args.no_progress) as progress:
@@ -110,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
                                        "iteration": it, "num_requests": n_req}
                 for m in modes:  # modes interleaved point by point: machine noise hits all alike
                     progress.update(task, description=f"{m:>13} qps={_qtag(q)} in={n_in}")
+                    cpu0 = pairs[m].cpu_s()
                     recs, dur = pairs[m].run_point(q, n_in, args.output_len, n_req, seed, tag=f"{it}-{q}-{n_in}")
                     res = summarize(recs, dur, n_in)
+                    res["engine_cpu_s"] = {k: round(v - cpu0[k], 3) for k, v in pairs[m].cpu_s().items()}
+                    res["load_avg"] = os.getloadavg()
                     res.update({"backend": f"kvpush-bench-{m}", "mode": m, "model_id": "Qwen3-32B (emulated)",
                                 "request_rate": q, "burstiness": 1.0, "max_concurrency": None,
                                 "num_prompts": n_req, "input_len": n_in, "output_len": args.output_len,
@@ -132,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
                 (out / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
         for p in pairs.values():
-            p.stop()
+            p.stop(join=False)
+        for p in pairs.values():
+            p.join()
     summary["wall_s"] = time.monotonic() - t_start
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "table.md").write_text(markdown_table(summary, modes))

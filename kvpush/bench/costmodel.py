@@ -93,6 +93,21 @@ class CostModel:
     def decode_max_seqs(self) -> int:
         return int(self._get("decode", "max_num_seqs"))
 
+    def aged_pool(self, role: str) -> Any:
+        """The role's BlockPool, churned like a server that has run for a while ([emulation] aging)."""
+        from kvpush.bench.alloc import BlockPool, blocks_for
+
+        lay = self.layout(role)
+        pool = BlockPool(lay.num_blocks)
+        em = self.raw.get("emulation", {})
+        wraps = float(em.get("pool_aging_wraps", 0))
+        lens = [int(x) for x in em.get("age_input_lens", [1000, 4000, 8000, 16000])]
+        out = int(em.get("age_output_len", 128)) if role == "decode" else 0
+        if wraps > 0:
+            pool.age([blocks_for(n + out, lay.block_size) for n in lens],
+                     int(self._get(role, "max_num_seqs")), int(wraps * lay.num_blocks))
+        return pool
+
     # ---- network ----------------------------------------------------------------------------------
     def post_cost_s(self, num_descriptors: int) -> float:
         """CPU time a NIC's postXfer keeps the posting thread busy (not the copy itself)."""
@@ -113,6 +128,28 @@ class CostModel:
             return plan_descs
         s, d = src_blocks, dst_blocks
         breaks = sum(1 for i in range(len(s) - 1) if not (s[i + 1] == s[i] + 1 and d[i + 1] == d[i] + 1))
+        return (breaks + 1) * layout.num_layers * layout.kv_per_layer
+
+    @staticmethod
+    def sorted_descriptors(src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
+                           layout: KVLayout) -> int:
+        """How many descriptors kvpush's planner (kvpush.plan.build_plan) posts for this pairing.
+
+        It sorts the (source, destination) block pairs by source and merges runs contiguous on both
+        sides, per (K|V) plane; a partial last block can only end a run. Counted on block ids in
+        O(blocks) (the planner itself works on 128 planes x blocks pieces); tests check the two agree.
+        """
+        import numpy as np
+
+        n = len(src_blocks)
+        if n == 0:
+            return 0
+        s, d = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks[:n], dtype=np.int64)
+        partial = np.zeros(n, dtype=bool)
+        partial[n - 1] = num_tokens % layout.block_size != 0
+        order = np.argsort(s, kind="stable")
+        s, d, partial = s[order], d[order], partial[order]
+        breaks = int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1) | partial[:-1]))
         return (breaks + 1) * layout.num_layers * layout.kv_per_layer
 
     def reference_transfer_s(self, num_tokens: int) -> float:
@@ -154,5 +191,8 @@ class CostModel:
         return {"source": self.source, "prefill_16k_ms": round(self.prefill_alone_s(16000) * 1e3, 1),
                 "prefill_1k_ms": round(self.prefill_alone_s(1000) * 1e3, 1),
                 "decode_step_b1_ms": round(self.decode_step_s(1, 1000) * 1e3, 2),
+                "wire_16k_ms": round(self.reference_transfer_s(16000) * 1e3, 2),
+                "pool_bytes": {r: self.layout(r).bytes_per_token * self.layout(r).block_size
+                               * self.layout(r).num_blocks for r in ("prefill", "decode")},
                 "real_kv_bytes_per_token_per_rank": self.real_bytes_per_token,
                 "kv_bytes_scale": self.kv_bytes_scale, **{k: v for k, v in self.raw.items()}}

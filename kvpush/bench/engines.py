@@ -16,6 +16,8 @@ Loopback is not a NIC: UCX over cma copies inside the posting call. A NIC copies
 keeps the posting thread busy for a per-descriptor time. So the posting *thread* is charged the cost
 model's NIC posting time (post_cost_s), and the real NIXL call (which carries the loopback copy) runs on
 an emulated-NIC thread. Copy time is measured there and reported, never charged to an engine loop.
+Push gets the same model as a serial posting stage replayed after the core's ready_at, and both modes
+add the wire time of the real (unscaled) bytes on a serial link. See docs/bench.md.
 """
 
 from __future__ import annotations
@@ -29,11 +31,46 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.bench.alloc import blocks_for
+
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 PUSH, PULL, PULL_THREADED = "push", "pull", "pull-threaded"
 MODES = (PUSH, PULL, PULL_THREADED)
+
+
+def _debug_logging() -> None:
+    """KVPUSH_BENCH_DEBUG=1: the core's per-request timings (queued/plan/post/complete) on stderr."""
+    if os.environ.get("KVPUSH_BENCH_DEBUG"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)9.1f %(processName)s %(message)s")
+        logging.getLogger("kvpush").setLevel(logging.DEBUG)
+
+
+def _new_transport(name: str) -> Any:
+    from kvpush.transport.nixl import NixlTransport, prepare_environment
+
+    prepare_environment("lo")
+    return NixlTransport(name)
+
+
+_parent_checked = 0.0
+
+
+def _orphaned() -> bool:
+    """True once the bench process is gone (checked at most once a second, from idle loops only), so
+    an interrupted run does not leave engines holding their ports and memory."""
+    global _parent_checked
+    now = time.monotonic()
+    if now - _parent_checked < 1.0:
+        return False
+    _parent_checked = now
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    return parent is not None and not parent.is_alive()
 
 
 def _sleep_until(t: float) -> None:
@@ -55,26 +92,34 @@ class _NicJob:
     remote: Any
     notif: bytes
     nbytes: int
+    wire_s: float = 0.0  # what the real (unscaled) bytes take on the reference per-rank link
     done: bool = False
     error: str = ""
     posted_at: float = 0.0
     post_call_s: float = 0.0  # time inside the posting call (loopback: includes the cma copy)
-    done_at: float = 0.0
+    copy_done_at: float = 0.0  # the real loopback transfer completed
+    done_at: float = 0.0  # + the modelled wire time on a serial link: when the KV is usable
 
 
 class EmulatedNic(threading.Thread):
-    """Posts READs and drives them to completion, as an RDMA NIC would do without the host loop."""
+    """Posts READs and drives them to completion, as an RDMA NIC would do without the host loop.
+
+    Completion = the real loopback transfer, then the reference link's wire time for the real
+    (unscaled) bytes on a link that carries one transfer at a time (`done_at`); the decode loop treats a
+    READ as finished only once `done_at` has passed.
+    """
 
     def __init__(self, transport: Any) -> None:
         super().__init__(name="emulated-nic", daemon=True)
         self.transport = transport
         self.jobs: queue.SimpleQueue[_NicJob | None] = queue.SimpleQueue()
+        self._link_free_at = 0.0
 
     def run(self) -> None:
         inflight: list[tuple[_NicJob, Any]] = []
         while True:
             try:
-                job = self.jobs.get(timeout=0.002) if not inflight else self.jobs.get_nowait()
+                job = self.jobs.get(timeout=0.05) if not inflight else self.jobs.get_nowait()
             except queue.Empty:
                 job = None
             if job is not None:
@@ -89,8 +134,10 @@ class EmulatedNic(threading.Thread):
             for j, h in inflight:
                 try:
                     if self.transport.poll(h) == "DONE":
-                        j.done_at = time.monotonic()
+                        j.copy_done_at = time.monotonic()
                         self.transport.release(h)
+                        self._link_free_at = max(j.copy_done_at, self._link_free_at) + j.wire_s
+                        j.done_at = self._link_free_at
                         j.done = True
                         continue
                 except Exception as exc:  # noqa: BLE001
@@ -99,7 +146,7 @@ class EmulatedNic(threading.Thread):
                 keep.append((j, h))
             inflight = keep
             if inflight:
-                time.sleep(20e-6)
+                time.sleep(50e-6)
 
 
 # ====================================================================================================
@@ -161,6 +208,7 @@ class Req:
 # ====================================================================================================
 def prefill_main(mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, port: int) -> None:
     try:
+        _debug_logging()
         _PrefillEngine(mode, cm_path, inbox, outbox, acct, port).run()
     except Exception:  # pragma: no cover - surfaced to the router
         outbox.put({"type": "error", "role": "prefill", "mode": mode, "trace": traceback.format_exc()})
@@ -169,7 +217,6 @@ def prefill_main(mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, po
 class _PrefillEngine:
     def __init__(self, mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, port: int):
         from kvpush.backends.host import HostKVCache
-        from kvpush.bench.alloc import BlockPool
         from kvpush.bench.costmodel import CostModel
 
         self.mode, self.inbox, self.outbox, self.acct = mode, inbox, outbox, acct
@@ -177,7 +224,7 @@ class _PrefillEngine:
         self.cache = HostKVCache(self.cm.layout("prefill"))
         self.cache.buffer.fill(1)  # fault the pages in now, not during the first transfers
         self.layout = self.cache.layout
-        self.pool = BlockPool(self.layout.num_blocks)
+        self.pool = self.cm.aged_pool("prefill")
         self.port = port
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -194,15 +241,27 @@ class _PrefillEngine:
             self.endpoint.start()
             host, p = self.endpoint.address
             return {"engine_id": cfg.engine_id, "host": host, "port": p}
-        from kvpush.bench.dataplane import make_transport
-
-        self.transport = make_transport(f"bench-pull-prefill-{self.port}")
+        self.transport = _new_transport(f"bench-pull-prefill-{self.port}")
         self.transport.register(self.layout.regions, "DRAM")
         addr = f"tcp://127.0.0.1:{self.port}"
         payload = {"metadata": self.transport.metadata(), "base_addr": self.layout.regions[0].addr,
                    "engine_id": f"bench-prefill-{self.port}"}
         _serve_handshake(addr, payload, self.stop)
+        self._notifs: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        threading.Thread(target=self._nixl_progress, name="nixl-progress", daemon=True).start()
         return {"engine_id": payload["engine_id"], "host": "127.0.0.1", "port": self.port}
+
+    def _nixl_progress(self) -> None:
+        """vLLM creates its NIXL agent with NIXL's progress thread on (nixl_agent_config defaults,
+        vllm base_worker.py), and an RDMA READ needs nothing from its target. On loopback UCX a READ
+        only completes while the target process progresses its worker, so the prefill side gets a
+        progress thread, polled like kvpush's own workers (50 us while a READ is expected, 20 ms
+        otherwise). Notifications it collects are handed to the engine loop, which reads them once
+        per step as vLLM's _get_new_notifs does."""
+        while not self.stop.is_set():
+            for item in self.transport.drain_notifs():
+                self._notifs.put(item)
+            time.sleep(50e-6 if self.held else 0.02)
 
     def _poll_freed(self) -> None:
         """vLLM: get_finished() each step -> finished_sending -> blocks freed."""
@@ -214,7 +273,8 @@ class _PrefillEngine:
                     if not r.ok:
                         self.outbox.put({"type": "prefill_error", "id": r.request_id, "reason": r.reason})
             return
-        for _peer, msg in self.transport.drain_notifs():
+        while not self._notifs.empty():
+            _peer, msg = self._notifs.get()
             req_id = msg.decode().rsplit(":", 1)[0]
             req = self.held.pop(req_id, None)
             if req is not None:
@@ -242,28 +302,37 @@ class _PrefillEngine:
                         r.stats["prefill_recv"] = time.monotonic()
                         self.waiting.append(r)
             except queue.Empty:
-                pass
+                if not busy and _orphaned():
+                    self._close()
+                    return
             self._poll_freed()
+            # vLLM Scheduler.schedule with chunked prefill: running requests first, then waiting ones
+            # (FCFS); KVCacheManager.allocate_slots gives each request the blocks of *this step's*
+            # chunk, so a long prompt's blocks come from the free queue in pieces, interleaved with
+            # the other requests scheduled in the same steps.
             budget = cm.prefill_budget
+            bs = self.layout.block_size
             chunks: list[tuple[Req, int]] = []
             for r in self.running:
                 if budget <= 0:
                     break
                 n = min(budget, r.prompt_len - r.computed)
+                need = blocks_for(r.computed + n, bs) - len(r.blocks)
+                if not self.pool.can_allocate(need):
+                    continue  # vLLM would preempt; with a real-size pool this does not happen
+                r.blocks += self.pool.allocate(need)
                 chunks.append((r, n))
                 budget -= n
-            from kvpush.bench.alloc import blocks_for
-
             while self.waiting and budget > 0 and len(self.running) < cm.prefill_max_seqs:
                 r = self.waiting[0]
-                nb = blocks_for(r.prompt_len, self.layout.block_size)
-                if not self.pool.can_allocate(nb):
+                n = min(budget, r.prompt_len)
+                need = blocks_for(n, bs)
+                if not self.pool.can_allocate(need):
                     break
                 self.waiting.popleft()
-                r.blocks = self.pool.allocate(nb)
+                r.blocks = self.pool.allocate(need)
                 r.stats["prefill_start"] = time.monotonic()
                 self.running.append(r)
-                n = min(budget, r.prompt_len)
                 chunks.append((r, n))
                 budget -= n
             if not chunks:
@@ -311,6 +380,7 @@ class _PrefillEngine:
 def decode_main(mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any,
                 prefill_info: dict[str, Any]) -> None:
     try:
+        _debug_logging()
         _DecodeEngine(mode, cm_path, inbox, outbox, acct, prefill_info).run()
     except Exception:  # pragma: no cover
         outbox.put({"type": "error", "role": "decode", "mode": mode, "trace": traceback.format_exc()})
@@ -320,26 +390,25 @@ class _DecodeEngine:
     def __init__(self, mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any,
                  prefill_info: dict[str, Any]):
         from kvpush.backends.host import HostKVCache
-        from kvpush.bench.alloc import BlockPool
         from kvpush.bench.costmodel import CostModel
-        from kvpush.layout import packed_planes
 
         self.mode, self.inbox, self.outbox, self.acct = mode, inbox, outbox, acct
         self.cm = CostModel.from_spec(cm_path)
         self.cache = HostKVCache(self.cm.layout("decode"))
         self.cache.buffer.fill(0)
         self.layout = self.cache.layout
-        self.pool = BlockPool(self.layout.num_blocks)
+        self.pool = self.cm.aged_pool("decode")
         self.prefill_info = prefill_info
         self.new: deque[Req] = deque()  # arrived, not yet allocated
         self.waiting_kv: dict[str, Req] = {}  # allocated, KV not ready (WAITING_FOR_REMOTE_KVS)
         self.ready: deque[Req] = deque()  # KV ready, waiting for a running slot
         self.running: list[Req] = []
-        # descriptor-count accounting for push (post cost of the prefill's push thread)
-        self._src_geom = packed_planes(self.cm.layout("prefill"), 0)
-        self._dst_geom = packed_planes(self.cm.layout("decode"), 1 << 40)
+        # push: the prefill's block ids (emulation-only side channel) for the modelled NIC posting time
+        # of kvpush's push thread, which is emulated as one serial posting thread and a serial link
         self._src_blocks: dict[str, list[int]] = {}
-        self._push_pending: dict[str, tuple[Req, float]] = {}
+        self._push_pending: list[tuple[float, Req]] = []  # (core ready_at, request), in ready order
+        self._post_free_at = 0.0
+        self._link_free_at = 0.0
         # pull state
         self._to_load: list[Req] = []
         self._handshake_state = "none"  # none | running | done
@@ -362,9 +431,7 @@ class _DecodeEngine:
             self.prefill_addr = PrefillAddress(self.prefill_info["engine_id"], self.prefill_info["host"],
                                                self.prefill_info["port"])
             return
-        from kvpush.bench.dataplane import make_transport
-
-        self.transport = make_transport(f"bench-pull-decode-{self.prefill_info['port']}")
+        self.transport = _new_transport(f"bench-pull-decode-{self.prefill_info['port']}")
         self.transport.register(self.layout.regions, "DRAM")
         self.nic = EmulatedNic(self.transport)
         self.nic.start()
@@ -424,7 +491,7 @@ class _DecodeEngine:
 
         t0 = time.monotonic()
         assert r.kv_params is not None
-        nb = -(-r.prompt_len // self.layout.block_size)
+        nb = blocks_for(r.prompt_len, self.layout.block_size)
         plan = build_plan(self.remote_layout, self.layout, r.kv_params["remote_block_ids"], r.blocks[:nb],
                           r.prompt_len)
         local, remote = plan.nixl_descs()[1], plan.nixl_descs()[0]
@@ -437,9 +504,9 @@ class _DecodeEngine:
         if charge_loop:
             self.loop_charged_s += t2 - t0
         job = _NicJob(r.id, self.peer, local, remote, f"{r.kv_params['remote_request_id']}:1".encode(),
-                      plan.nbytes)
-        r.stats.update(read_start=t0, descs=posted_descs, plan_descs=plan.num_descriptors, desc_build_s=t1 - t0, post_model_s=post,
-                       nbytes=plan.nbytes)
+                      plan.nbytes, wire_s=self.cm.reference_transfer_s(r.prompt_len))
+        r.stats.update(read_start=t0, descs=posted_descs, plan_descs=plan.num_descriptors, desc_build_s=t1 - t0,
+                       post_model_s=post, wire_model_s=job.wire_s, nbytes=plan.nbytes)
         self._jobs[r.id] = job
         self.nic.jobs.put(job)
 
@@ -464,31 +531,38 @@ class _DecodeEngine:
                     continue
                 r.stats["kv_ready_core"] = res.ready_at
                 r.stats["nbytes"] = res.nbytes
-                self._push_pending[r.id] = (r, res.ready_at)
-            for rid, (r, ready_at) in list(self._push_pending.items()):
-                src = self._src_blocks.get(rid)
-                if src is None:
-                    continue
-                if "descs" not in r.stats:
-                    from kvpush.plan import build_plan
-
-                    nb = -(-r.prompt_len // self.layout.block_size)
-                    plan = build_plan(self._src_geom, self._dst_geom, src, r.blocks[:nb], r.prompt_len)
-                    r.stats["descs"] = plan.num_descriptors
-                    r.stats["post_model_s"] = self.cm.post_cost_s(plan.num_descriptors)
-                # the push thread would have spent post_model_s posting before the WRITE went out
-                if now >= ready_at + r.stats["post_model_s"]:
-                    del self._push_pending[rid]
-                    del self._src_blocks[rid]
-                    out.append(rid)
+                self._push_pending.append((res.ready_at, r))
+            self._push_pending.sort(key=lambda x: x[0])
+            # The core's push thread really posted and copied (loopback). On a NIC it would have been
+            # busy posting for the modelled time, one request after the other, and the link would
+            # have carried the real bytes: replay both as two serial stages after the real completion.
+            while self._push_pending:
+                ready_at, r = self._push_pending[0]
+                if "model_ready_at" not in r.stats:
+                    src = self._src_blocks.get(r.id)
+                    if src is None:
+                        break  # the prefill's block ids have not arrived yet (keeps FIFO order)
+                    nb = blocks_for(r.prompt_len, self.layout.block_size)
+                    descs = self.cm.sorted_descriptors(src, r.blocks[:nb], r.prompt_len, self.layout)
+                    post, wire = self.cm.post_cost_s(descs), self.cm.reference_transfer_s(r.prompt_len)
+                    self._post_free_at = max(ready_at, self._post_free_at) + post
+                    self._link_free_at = max(self._post_free_at, self._link_free_at) + wire
+                    r.stats.update(descs=descs, post_model_s=post, wire_model_s=wire,
+                                   model_ready_at=self._link_free_at)
+                if now < r.stats["model_ready_at"]:
+                    break
+                self._push_pending.pop(0)
+                del self._src_blocks[r.id]
+                out.append(r.id)
             return out
         for rid, job in list(self._jobs.items()):
-            if job.done:
+            if job.done and (job.error or now >= job.done_at):
                 del self._jobs[rid]
                 r = self.waiting_kv[rid]
                 if job.error:
                     r.stats["error"] = job.error
-                r.stats.update(post_call_s=job.post_call_s, nic_posted=job.posted_at, kv_ready_core=job.done_at)
+                r.stats.update(post_call_s=job.post_call_s, nic_posted=job.posted_at,
+                               kv_ready_core=job.copy_done_at, model_ready_at=job.done_at)
                 out.append(rid)
         return out
 
@@ -515,7 +589,9 @@ class _DecodeEngine:
                     self.new.append(r)
                     active = True
             except queue.Empty:
-                pass
+                if not active and _orphaned():
+                    self._close()
+                    return
             if not active:
                 continue
             # ---- schedule (vLLM Scheduler.schedule) -----------------------------------------------
@@ -525,11 +601,13 @@ class _DecodeEngine:
                 self.running.append(r)
             while self.new and len(self.running) < cm.decode_max_seqs:
                 r = self.new[0]
-                nb = -(-(r.prompt_len + r.output_len) // bs)
-                if not self.pool.can_allocate(nb):
+                # admit only if the whole request fits (vLLM would preempt later; a real-size pool never
+                # gets there), but allocate like vLLM: the prompt's blocks now (allocate_slots with the
+                # external tokens), one more block each time a generated token starts a new block
+                if not self.pool.can_allocate(blocks_for(r.prompt_len + r.output_len, bs)):
                     break
                 self.new.popleft()
-                r.blocks = self.pool.allocate(nb)
+                r.blocks = self.pool.allocate(blocks_for(r.prompt_len, bs))
                 self.waiting_kv[r.id] = r
                 self._on_alloc(r)
             # ---- execute_model: start_load_kv, forward, get_finished --------------------------------
@@ -545,6 +623,8 @@ class _DecodeEngine:
                 r.tokens.append(now)
                 if len(r.tokens) >= r.output_len:
                     done.append(r)
+                elif blocks_for(r.prompt_len + len(r.tokens) + 1, bs) > len(r.blocks) and self.pool.can_allocate(1):
+                    r.blocks += self.pool.allocate(1)
             for r in done:
                 self.running.remove(r)
                 self.pool.free(r.blocks)

@@ -38,18 +38,34 @@ class EnginePair:
     procs: list[Any] = field(default_factory=list)
 
     def start(self, ctx: Any) -> None:
+        self.start_prefill(ctx)
+        self.start_decode(ctx)
+
+    def start_prefill(self, ctx: Any) -> None:
+        """Spawn the prefill engine (returns at once; wait_prefill() waits for it)."""
+        self.ctx = ctx
         self.pf_in, self.pf_out = ctx.Queue(), ctx.Queue()
         self.dec_in, self.dec_out, self.acct = ctx.Queue(), ctx.Queue(), ctx.Queue()
         p = ctx.Process(target=prefill_main, name=f"prefill-{self.mode}", daemon=True,
                         args=(self.mode, self.cm_path, self.pf_in, self.pf_out, self.acct, self.port))
         p.start()
         self.procs.append(p)
+
+    def wait_prefill(self) -> None:
         ready = self._wait(self.pf_out, "prefill")
         self.prefill_info = {k: ready[k] for k in ("engine_id", "host", "port")}
+
+    def start_decode(self, ctx: Any, wait: bool = True) -> None:
+        if not hasattr(self, "prefill_info"):
+            self.wait_prefill()
         d = ctx.Process(target=decode_main, name=f"decode-{self.mode}", daemon=True,
                         args=(self.mode, self.cm_path, self.dec_in, self.dec_out, self.acct, self.prefill_info))
         d.start()
         self.procs.append(d)
+        if wait:
+            self.wait_decode()
+
+    def wait_decode(self) -> None:
         self._wait(self.dec_out, "decode")
 
     def _wait(self, q: Any, role: str, timeout: float = 300.0) -> dict[str, Any]:
@@ -139,12 +155,29 @@ class EnginePair:
             t.join()
         return list(records.values()), duration
 
-    def stop(self) -> None:
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds (user + system, all threads) each engine process has used so far."""
+        import os
+
+        out = {}
+        for role, p in zip(("prefill", "decode"), self.procs, strict=False):
+            try:
+                fields = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()
+                out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, IndexError, ValueError):
+                out[role] = 0.0
+        return out
+
+    def stop(self, join: bool = True) -> None:
         for q in (self.pf_in, self.dec_in):
             try:
                 q.put({"type": "stop"})
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        if join:
+            self.join()
+
+    def join(self) -> None:
         for p in self.procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -153,26 +186,40 @@ class EnginePair:
 
 
 def breakdown(records: list[dict[str, Any]]) -> dict[str, float]:
-    """Medians (ms) of where the time goes between prefill-done and the first token."""
-    keys: dict[str, list[float]] = {"prefill_queue_ms": [], "prefill_compute_ms": [],
-                                    "prefill_done_to_kv_ready_ms": [], "kv_ready_to_seen_ms": [],
-                                    "seen_to_first_token_ms": [], "descs": [], "post_model_ms": [],
-                                    "post_call_ms": [], "transfer_gbytes_s": []}
+    """Medians (ms) of where the time goes between arrival and the first token.
+
+    prefill_done_to_kv_ready: prefill's last step -> the bytes really landed in decode's cache (push:
+    the core's ready_at; pull: the loopback READ completed). kv_ready_to_model_ready: the modelled NIC
+    (posting thread busy for the descriptors, then the wire time of the unscaled bytes, both serial).
+    model_ready_to_seen: until decode's once-per-step get_finished sees it. pull only:
+    prefill_done_to_read_start (router forward, decode scheduling, handshake), read_start_to_nic
+    (descriptor building + modelled post on the posting thread), post_call (the real NIXL call).
+    """
+    keys: dict[str, list[float]] = {k: [] for k in (
+        "prefill_queue_ms", "prefill_compute_ms", "prefill_done_to_read_start_ms", "read_start_to_nic_ms",
+        "prefill_done_to_kv_ready_ms", "kv_ready_to_model_ready_ms", "model_ready_to_seen_ms",
+        "seen_to_first_token_ms", "descs", "post_model_ms", "wire_model_ms", "post_call_ms")}
     for r in records:
         ps, ds = r.get("prefill_stats", {}), r.get("stats", {})
         if not r["tokens"] or "prefill_done" not in ps or "kv_ready_seen" not in ds:
             continue
         keys["prefill_queue_ms"].append(ps["prefill_start"] - r["arrival"])
         keys["prefill_compute_ms"].append(ps["prefill_done"] - ps["prefill_start"])
+        if "read_start" in ds:
+            keys["prefill_done_to_read_start_ms"].append(ds["read_start"] - ps["prefill_done"])
+            if "nic_posted" in ds:
+                keys["read_start_to_nic_ms"].append(ds["nic_posted"] - ds["read_start"])
         if "kv_ready_core" in ds:
             keys["prefill_done_to_kv_ready_ms"].append(ds["kv_ready_core"] - ps["prefill_done"])
-            keys["kv_ready_to_seen_ms"].append(ds["kv_ready_seen"] - ds["kv_ready_core"])
+        if "model_ready_at" in ds:
+            if "kv_ready_core" in ds:
+                keys["kv_ready_to_model_ready_ms"].append(ds["model_ready_at"] - ds["kv_ready_core"])
+            keys["model_ready_to_seen_ms"].append(ds["kv_ready_seen"] - ds["model_ready_at"])
         keys["seen_to_first_token_ms"].append(r["tokens"][0] - ds["kv_ready_seen"])
         if "descs" in ds:
             keys["descs"].append(ds["descs"] / 1e3)
             keys["post_model_ms"].append(ds["post_model_s"])
+            keys["wire_model_ms"].append(ds.get("wire_model_s", 0.0))
         if "post_call_s" in ds:
             keys["post_call_ms"].append(ds["post_call_s"])
-            if ds.get("nbytes") and ds["post_call_s"] > 0:
-                keys["transfer_gbytes_s"].append(ds["nbytes"] / ds["post_call_s"] / 1e9 / 1e3)
     return {k: round(float(np.median(v)) * 1e3, 3) for k, v in keys.items() if v}
