@@ -167,6 +167,9 @@ class _PushWorker(_EndpointWorker):
     def busy(self) -> bool:
         return bool(self.writes)
 
+    def tracked(self) -> int:
+        return len(self.state)
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self, now: float) -> bool:
         did = False
@@ -366,13 +369,14 @@ class _Endpoint:
     def stats(self) -> dict[str, int]:
         c = self._worker.counters
         out = {k: getattr(c, k) for k in c.__dataclass_fields__}
-        out.update(getattr(self._worker.state, "order_counts", {}))
-        out["pending"] = len(self._worker.state)  # a racy read is fine for a gauge
+        if isinstance(self._worker, _PushWorker):
+            out.update(self._worker.state.order_counts)
+        out["pending"] = self._worker.tracked()  # a racy read is fine for a gauge
         return out
 
     def pending(self) -> int:
         """Requests the state machine still tracks (asked on the worker thread)."""
-        return int(self._worker.call(lambda: len(self._worker.state), self.config.handshake_timeout_s))
+        return int(self._worker.call(self._worker.tracked, self.config.handshake_timeout_s))
 
 
 class PrefillEndpoint(_Endpoint):
@@ -438,6 +442,9 @@ class _ReceiveWorker(_EndpointWorker):
 
     def busy(self) -> bool:
         return self.state.waiting() > 0
+
+    def tracked(self) -> int:
+        return len(self.state)
 
     def step(self, now: float) -> bool:
         assert self.transport is not None

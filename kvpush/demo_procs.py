@@ -87,6 +87,15 @@ def _stats_reply(eps: list[Any], alloc: BlockAllocator, geo: Geometry) -> tuple[
     return ("stats", agg, len(alloc.free), geo.num_blocks)
 
 
+def _shut_down(conn: Connection, eps: list[Any], raw: Any) -> None:
+    """Close the endpoints and the raw-measurement agent, then tell the parent this process is done."""
+    for ep in eps:
+        ep.close()
+    if raw is not None:
+        raw.close()
+    conn.send(("bye",))
+
+
 def _raw_transport(name: str, cache: Any) -> Any:
     from kvpush.transport.nixl import NixlTransport
     t = NixlTransport(name)
@@ -164,11 +173,7 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                         alloc.release(entry[0])
                         conn.send(("released", res.request_id, not entry[3], "; ".join(entry[3])))
     finally:
-        for ep in eps:
-            ep.close()
-        if raw is not None:
-            raw.close()
-        conn.send(("bye",))
+        _shut_down(conn, eps, raw)
 
 
 def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int, device: str) -> None:
@@ -244,8 +249,4 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                                "; ".join(r.reason for r in results if r.reason),
                                max(r.ready_at for r in results), sum(r.nbytes for r in results)))
     finally:
-        for ep in eps:
-            ep.close()
-        if raw is not None:
-            raw.close()
-        conn.send(("bye",))
+        _shut_down(conn, eps, raw)

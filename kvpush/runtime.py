@@ -180,11 +180,14 @@ class Worker:
         """True while transfers are in flight or expected: poll fast."""
         raise NotImplementedError
 
+    def tracked(self) -> int:
+        """Requests the worker's state machine still tracks (leases and timeouts need ticks)."""
+        return 0
+
     def idle_wait_ms(self) -> int:
         """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
         timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
-        tracked = len(getattr(self, "state", ()))
-        return max(1, int(self.config.idle_poll_s * (1000 if tracked else 5000)))
+        return max(1, int(self.config.idle_poll_s * (1000 if self.tracked() else 5000)))
 
     # loop ---------------------------------------------------------------------------------------
     def _main(self) -> None:
