@@ -32,7 +32,7 @@ demo: venv
 test: venv $(TEST_DEPS)
 	$(BIN)/ruff check kvpush backends platforms tests examples
 	$(BIN)/mypy --strict $(STRICT_CORE)
-	$(BIN)/mypy kvpush
+	$(BIN)/mypy kvpush backends platforms
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
@@ -40,7 +40,7 @@ lint: venv
 
 typecheck: venv
 	$(BIN)/mypy --strict $(STRICT_CORE)
-	$(BIN)/mypy kvpush
+	$(BIN)/mypy kvpush backends platforms
 
 clean:
 	rm -rf $(VENV) build *.egg-info

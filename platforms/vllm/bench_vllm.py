@@ -51,12 +51,67 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / CLK
 
 
-def idle_cpu(dep: Deployment, seconds: float = 5.0) -> float:
-    """Cores the set-up's engine processes burn while no request is in flight."""
+def _thread_ns(pid: int, tid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def kvpush_threads(stats_dir: Path) -> dict[str, tuple[int, int]]:
+    """kvpush's own threads in the engines, as the connector reports them: label -> (pid, tid)."""
+    out: dict[str, tuple[int, int]] = {}
+    for f in sorted(stats_dir.glob("*.json")):
+        try:
+            snap = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for name, tid in (snap.get("threads") or {}).items():
+            out[f"{snap.get('role', f.stem)}:{name}"] = (int(snap["pid"]), int(tid))
+    return out
+
+
+def idle_cpu(
+    dep: Deployment, seconds: float = 5.0, threads: dict[str, tuple[int, int]] | None = None
+) -> tuple[float, dict[str, float]]:
+    """Cores the set-up's engine processes burn while no request is in flight, and, per named thread,
+    the cores that thread burns (schedstat: exact run time, not tick samples)."""
     pids = _tree_pids(dep)
+    threads = threads or {}
+    t0 = time.monotonic()
     a = _cpu_seconds(pids)
+    ta = {k: _thread_ns(*v) for k, v in threads.items()}
     time.sleep(seconds)
-    return (_cpu_seconds(pids) - a) / seconds
+    tb = {k: _thread_ns(*v) for k, v in threads.items()}
+    wall = time.monotonic() - t0
+    per_thread: dict[str, float] = {}
+    for k in threads:
+        before, after = ta[k], tb[k]
+        if before is not None and after is not None:
+            per_thread[k] = (after - before) / 1e9 / wall
+    return (_cpu_seconds(pids) - a) / wall, per_thread
+
+
+def proxy_timings(url: str, clear: bool = True) -> list[dict[str, Any]]:
+    """The proxy's per-request timestamps (see proxy.py); [] if the proxy has none."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{url}/kvpush/timings{'?clear=1' if clear else ''}", timeout=10) as r:
+            data = json.loads(r.read())
+    except (OSError, ValueError):
+        return []
+    return data if isinstance(data, list) else []
+
+
+def prefill_to_first_token(timings: list[dict[str, Any]]) -> list[float]:
+    """Seconds from the prefill's answer reaching the proxy to decode's first chunk reaching it.
+
+    The same instrument for every connector: transfer, decode noticing and one decode step. Negative
+    when decode's first token arrives before the prefill's HTTP answer does."""
+    return [
+        t["first_chunk"] - t["prefill_done"] for t in timings if "first_chunk" in t and "prefill_done" in t
+    ]
 
 
 def run_point(
@@ -64,6 +119,7 @@ def run_point(
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     results: list[client.StreamResult | None] = [None] * len(prompts)
+    proxy_timings(url)  # drop the warm-up's and earlier points' records
     t0 = time.perf_counter()
 
     def one(i: int) -> None:
@@ -129,6 +185,7 @@ def run_point(
     }
     for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2el)):
         out.update(stats(name, xs))
+    out["prefill_to_first_token_s"] = prefill_to_first_token(proxy_timings(url))
     return out
 
 
@@ -152,6 +209,12 @@ def bootstrap_ratio(
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull")
     parser.add_argument("--qps", default="1,4", help="comma-separated request rates")
+    parser.add_argument(
+        "--loads",
+        default="",
+        help="comma-separated offered prefill loads (fractions of one prefill engine's capacity, measured "
+        "first with a single engine); replaces --qps with a per-input-length request rate",
+    )
     parser.add_argument("--input-lens", default="1024,4096", help="comma-separated prompt lengths (words)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=40)
@@ -169,9 +232,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--nixl-tune-connectors",
-        default="nixl-pull",
-        help="vLLM connectors that get --nixl-prog-delay-us (NixlPushConnector deadlocks its "
-        "prefill engine with the shim on this machine, see docs/vllm.md)",
+        default="nixl-pull,nixl-push",
+        help="vLLM connectors that get --nixl-prog-delay-us (the rest keep NIXL's spinning progress thread)",
+    )
+    parser.add_argument(
+        "--keep-kv-core-pin",
+        action="store_true",
+        help="leave vLLM's NIXL worker core pin in place (by default it is neutralised so each engine keeps "
+        "its own core, see docs/vllm.md)",
     )
     parser.add_argument("--request-timeout", type=float, default=180.0, help="per-request client timeout (s)")
     parser.add_argument("--warmup-tries", type=int, default=3)
@@ -194,17 +262,25 @@ def run(args: argparse.Namespace) -> int:
     for c in conns:
         if c not in CONNECTORS:
             raise SystemExit(f"unknown connector {c!r}; choose from {', '.join(CONNECTORS)}")
-    qps_list = [float(q) for q in args.qps.split(",")]
     in_lens = [int(x) for x in args.input_lens.split(",")]
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    calibration: dict[int, float] = {}
+    if args.loads:
+        loads = [float(x) for x in args.loads.split(",")]
+        calibration = calibrate_prefill(model, in_lens, out_dir / "logs" / "calibrate", args.seed)
+        points = points_from_loads(calibration, loads)
+        print("prefill alone: " + ", ".join(f"{n} tokens {1000 * t:.0f} ms" for n, t in calibration.items()))
+    else:
+        points = [(n, float(q)) for n in in_lens for q in args.qps.split(",")]
+    print("points (input tokens, QPS): " + ", ".join(f"({n}, {q:g})" for n, q in points), flush=True)
     prompts = {
         n: client.make_prompts(args.num_prompts, [_words_for_tokens(n)], seed=args.seed + n) for n in in_lens
     }
     samples: dict[tuple[str, float, int], dict[str, list[float]]] = {}
     idle: dict[str, list[float]] = {}
+    idle_threads: dict[str, list[float]] = {}
     ready: dict[str, list[float]] = {}
-    env_tune = _nixl_tune_env(args.nixl_prog_delay_us)
     tune_conns = {c.strip() for c in args.nixl_tune_connectors.split(",") if c.strip()}
     texts: dict[tuple[str, float, int], list[list[str | None]]] = {}
     warmups: dict[str, list[dict[str, Any]]] = {}
@@ -215,7 +291,13 @@ def run(args: argparse.Namespace) -> int:
         for conn in order:
             stats_dir = out_dir / f"stats-{conn}-{rep}"
             extra = {"stats_dir": str(stats_dir)} if conn == "kvpush" else {}
-            env = dict(env_tune) if conn in tune_conns else {}
+            env = (
+                {}
+                if conn == "kvpush"
+                else _nixl_tune_env(
+                    args.nixl_prog_delay_us if conn in tune_conns else 0, unpin=not args.keep_kv_core_pin
+                )
+            )
             if conn != "kvpush":
                 env["VLLM_LOGGING_LEVEL"] = "INFO"  # its periodic "KV Transfer metrics" lines
             print(f"[rep {rep}] starting {conn}", flush=True)
@@ -230,30 +312,32 @@ def run(args: argparse.Namespace) -> int:
                 if not warm["ok"]:
                     print(f"  {conn} never answered a warm-up request; skipping its points", flush=True)
                     continue
-                idle.setdefault(conn, []).append(idle_cpu(dep, args.idle_seconds))
-                for n in in_lens:
-                    for q in qps_list:
-                        res = run_point(
-                            dep.url,
-                            model,
-                            prompts[n],
-                            q,
-                            args.output_len,
-                            args.seed + rep,
-                            args.request_timeout,
-                        )
-                        res["connector"] = conn
-                        name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
-                        (out_dir / name).write_text(json.dumps(res))
-                        texts.setdefault((conn, q, n), []).append(res["generated_texts"])
-                        s = samples.setdefault((conn, q, n), {"ttft": [], "tpot": []})
-                        s["ttft"] += res["ttfts"]
-                        s["tpot"] += [(r) for r in _tpots(res)]
-                        print(
-                            f"  {name}: median TTFT {res['median_ttft_ms']:.1f} ms, TPOT "
-                            f"{res['median_tpot_ms']:.1f} ms, failed {res['failed']}",
-                            flush=True,
-                        )
+                tree, per_thread = idle_cpu(
+                    dep, args.idle_seconds, kvpush_threads(stats_dir) if conn == "kvpush" else None
+                )
+                idle.setdefault(conn, []).append(tree)
+                for k, v in per_thread.items():
+                    idle_threads.setdefault(k, []).append(v)
+                for n, q in points:
+                    res = run_point(
+                        dep.url, model, prompts[n], q, args.output_len, args.seed + rep, args.request_timeout
+                    )
+                    res["connector"] = conn
+                    if n in calibration:
+                        res["prefill_alone_s"] = calibration[n]
+                        res["offered_prefill_load"] = q * calibration[n]
+                    name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
+                    (out_dir / name).write_text(json.dumps(res))
+                    texts.setdefault((conn, q, n), []).append(res["generated_texts"])
+                    s = samples.setdefault((conn, q, n), {"ttft": [], "tpot": []})
+                    s["ttft"] += res["ttfts"]
+                    s["tpot"] += _tpots(res)
+                    s.setdefault("p2d", []).extend(res["prefill_to_first_token_s"])
+                    print(
+                        f"  {name}: median TTFT {res['median_ttft_ms']:.1f} ms, TPOT "
+                        f"{res['median_tpot_ms']:.1f} ms, failed {res['failed']}",
+                        flush=True,
+                    )
                 if conn == "kvpush":
                     for f in stats_dir.glob("*decode*.json"):
                         ready.setdefault(conn, []).extend(json.loads(f.read_text()).get("ready_s", []))
@@ -263,8 +347,17 @@ def run(args: argparse.Namespace) -> int:
                 dep.stop()
             if conn != "kvpush":
                 xfer.setdefault(conn, []).extend(_vllm_xfer_metrics(log_dir))
-    summary = _summarize(conns, qps_list, in_lens, samples, idle, ready)
-    summary["extra_md"] = _extras_md(conns, qps_list, in_lens, samples, texts, warmups, push, xfer, idle)
+    summary = _summarize(conns, points, samples, idle, ready, calibration)
+    summary["kvpush_idle_thread_cores"] = idle_threads
+    if idle_threads:
+        summary["table_md"] += (
+            "kvpush's own threads while idle (share of one core, per repetition): "
+            + "; ".join(
+                f"{k} " + ", ".join(f"{100 * x:.2f}%" for x in v) for k, v in sorted(idle_threads.items())
+            )
+            + "\n"
+        )
+    summary["extra_md"] = _extras_md(conns, points, samples, texts, warmups, push, xfer, idle)
     summary["table_md"] += summary["extra_md"]
     summary["warmups"] = warmups
     summary["kvpush_push_s"] = push.get("kvpush", [])
@@ -273,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     (out_dir / "summary.md").write_text(summary["table_md"])
     print(summary["table_md"])
-    _plot(out_dir, conns, qps_list, in_lens, samples)
+    summary["calibration_prefill_s"] = {str(n): t for n, t in calibration.items()}
+    _plot(out_dir, conns, points, samples)
     return 0
 
 
@@ -304,8 +398,7 @@ def _vllm_xfer_metrics(log_dir: Path) -> list[tuple[int, float]]:
 
 def _extras_md(
     conns: list[str],
-    qps_list: list[float],
-    in_lens: list[int],
+    points: list[tuple[int, float]],
     samples: dict[tuple[str, float, int], dict[str, list[float]]],
     texts: dict[tuple[str, float, int], list[list[str | None]]],
     warmups: dict[str, list[dict[str, Any]]],
@@ -322,42 +415,57 @@ def _extras_md(
         + " | outputs identical to kvpush |",
     ]
     lines.append("|" + "---|" * (3 + len(conns) + len([c for c in conns if c != "kvpush"])))
-    for n in in_lens:
-        for q in qps_list:
-            cells = []
-            for c in conns:
-                tp = samples.get((c, q, n), {}).get("tpot", [])
-                cells.append(f"{1000 * statistics.median(tp):.1f}" if tp else "n/a")
-            ratios = []
-            for c in conns:
-                if c == "kvpush":
-                    continue
-                r, lo, hi = bootstrap_ratio(
-                    samples.get(("kvpush", q, n), {}).get("tpot", []),
-                    samples.get((c, q, n), {}).get("tpot", []),
-                )
-                ratios.append(f"{r:.2f} [{lo:.2f}, {hi:.2f}]")
-            same = []
-            ref = texts.get(("kvpush", q, n), [])
-            for c in conns:
-                if c == "kvpush":
-                    continue
-                eq = tot = 0
-                for a_rep, b_rep in zip(ref, texts.get((c, q, n), []), strict=False):
-                    for a, b in zip(a_rep, b_rep, strict=False):
-                        if a is not None and b is not None:
-                            tot += 1
-                            eq += a == b
-                same.append(f"{c} {eq}/{tot}")
-            lines.append(
-                f"| {n} | {q:g} | "
-                + " | ".join(cells)
-                + " | "
-                + " | ".join(ratios)
-                + " | "
-                + ", ".join(same)
-                + " |"
+    for n, q in points:
+        cells = []
+        for c in conns:
+            tp = samples.get((c, q, n), {}).get("tpot", [])
+            cells.append(f"{1000 * statistics.median(tp):.1f}" if tp else "n/a")
+        ratios = []
+        for c in conns:
+            if c == "kvpush":
+                continue
+            r, lo, hi = bootstrap_ratio(
+                samples.get(("kvpush", q, n), {}).get("tpot", []),
+                samples.get((c, q, n), {}).get("tpot", []),
             )
+            ratios.append(f"{r:.2f} [{lo:.2f}, {hi:.2f}]")
+        same = []
+        ref = texts.get(("kvpush", q, n), [])
+        for c in conns:
+            if c == "kvpush":
+                continue
+            eq = tot = 0
+            for a_rep, b_rep in zip(ref, texts.get((c, q, n), []), strict=False):
+                for a, b in zip(a_rep, b_rep, strict=False):
+                    if a is not None and b is not None:
+                        tot += 1
+                        eq += a == b
+            same.append(f"{c} {eq}/{tot}")
+        lines.append(
+            f"| {n} | {q:g} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(ratios)
+            + " | "
+            + ", ".join(same)
+            + " |"
+        )
+    lines += [
+        "",
+        "Prefill answered -> decode's first token, at the proxy (same instrument for every connector; "
+        "median, p90 in ms):",
+        "",
+        "| input | QPS | " + " | ".join(conns) + " |",
+        "|" + "---|" * (2 + len(conns)),
+    ]
+    for n, q in points:
+        cells = []
+        for c in conns:
+            v = sorted(samples.get((c, q, n), {}).get("p2d", []))
+            cells.append(
+                f"{1000 * statistics.median(v):.1f} ({1000 * v[int(0.9 * (len(v) - 1))]:.1f})" if v else "n/a"
+            )
+        lines.append(f"| {n} | {q:g} | " + " | ".join(cells) + " |")
     lines.append("")
     for c, ws in warmups.items():
         lines.append(
@@ -375,16 +483,16 @@ def _extras_md(
             f"{1000 * statistics.median(p):.1f} ms, p90 {1000 * p[int(0.9 * (len(p) - 1))]:.1f} ms "
             f"over {len(p)} requests"
         )
-    for c, v in xfer.items():
-        tot = sum(k for k, _ in v)
+    for c, windows in xfer.items():
+        tot = sum(k for k, _ in windows)
         if tot:
-            avg = sum(k * ms for k, ms in v) / tot
+            avg = sum(k * ms for k, ms in windows) / tot
             lines.append(
                 f"{c}: vLLM's own 'Avg xfer time' (count-weighted over its 10 s log windows, both "
                 f"engines' lines): {avg:.1f} ms over {tot} transfers"
             )
-    for c, v in idle.items():
-        lines.append(f"Idle CPU {c}: " + ", ".join(f"{x:.3f}" for x in v) + " cores per repetition")
+    for c, cores in idle.items():
+        lines.append(f"Idle CPU {c}: " + ", ".join(f"{x:.3f}" for x in cores) + " cores per repetition")
     return "\n".join(lines) + "\n"
 
 
@@ -392,67 +500,72 @@ def _tpots(res: dict[str, Any]) -> list[float]:
     return [sum(itl) / len(itl) for itl in res["itls"] if itl]
 
 
-def _nixl_tune_env(delay_us: int) -> dict[str, str]:
-    if delay_us <= 0:
-        return {}
-    here = Path(__file__).with_name("_nixl_sitecustomize")
-    return {
-        "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep),
-        "KVPUSH_NIXL_PTHR_DELAY_US": str(delay_us),
-        "UCX_RCACHE_MAX_UNRELEASED": "1024",
-    }
+def _nixl_tune_env(delay_us: int, *, unpin: bool = True) -> dict[str, str]:
+    """Environment for a vLLM NIXL server: progress-thread delay and/or no KV core pin (see the shim)."""
+    env: dict[str, str] = {}
+    if delay_us > 0:
+        env["KVPUSH_NIXL_PTHR_DELAY_US"] = str(delay_us)
+        env["UCX_RCACHE_MAX_UNRELEASED"] = "1024"
+    if unpin:
+        env["KVPUSH_VLLM_NO_KV_CORE_PIN"] = "1"
+    if env:
+        here = Path(__file__).with_name("_nixl_sitecustomize")
+        env["PYTHONPATH"] = f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep)
+    return env
 
 
 def _summarize(
     conns: list[str],
-    qps_list: list[float],
-    in_lens: list[int],
+    points: list[tuple[int, float]],
     samples: dict[tuple[str, float, int], dict[str, list[float]]],
     idle: dict[str, list[float]],
     ready: dict[str, list[float]],
+    calibration: dict[int, float] | None = None,
 ) -> dict[str, Any]:
     rows = []
+    calibration = calibration or {}
     lines = [
-        "| input | QPS | "
+        "| input | QPS | prefill load | "
         + " | ".join(f"{c} TTFT p50 ms" for c in conns)
         + " | "
         + " | ".join(f"kvpush/{c} TTFT [95% CI]" for c in conns if c != "kvpush")
         + " |"
     ]
-    lines.append("|" + "---|" * (2 + len(conns) + len([c for c in conns if c != "kvpush"])))
-    for n in in_lens:
-        for q in qps_list:
-            row: dict[str, Any] = {"input": n, "qps": q}
-            cells = []
-            for c in conns:
-                t = samples.get((c, q, n), {}).get("ttft", [])
-                med = 1000 * statistics.median(t) if t else float("nan")
-                row[f"{c}_ttft_p50_ms"] = med
-                tp = samples.get((c, q, n), {}).get("tpot", [])
-                row[f"{c}_tpot_p50_ms"] = 1000 * statistics.median(tp) if tp else float("nan")
-                cells.append(f"{med:.1f}")
-            ratios = []
-            for c in conns:
-                if c == "kvpush" or "kvpush" not in conns:
-                    continue
-                r, lo, hi = bootstrap_ratio(
-                    samples.get(("kvpush", q, n), {}).get("ttft", []),
-                    samples.get((c, q, n), {}).get("ttft", []),
-                )
-                row[f"kvpush_over_{c}"] = [r, lo, hi]
-                ratios.append(f"{r:.2f} [{lo:.2f}, {hi:.2f}]")
-            rows.append(row)
-            lines.append(f"| {n} | {q:g} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    lines.append("|" + "---|" * (3 + len(conns) + len([c for c in conns if c != "kvpush"])))
+    for n, q in points:
+        row: dict[str, Any] = {"input": n, "qps": q}
+        load = f"{q * calibration[n]:.2f}" if n in calibration else "n/a"
+        row["offered_prefill_load"] = q * calibration[n] if n in calibration else None
+        cells = []
+        for c in conns:
+            t = samples.get((c, q, n), {}).get("ttft", [])
+            med = 1000 * statistics.median(t) if t else float("nan")
+            row[f"{c}_ttft_p50_ms"] = med
+            tp = samples.get((c, q, n), {}).get("tpot", [])
+            row[f"{c}_tpot_p50_ms"] = 1000 * statistics.median(tp) if tp else float("nan")
+            cells.append(f"{med:.1f}")
+        ratios = []
+        for c in conns:
+            if c == "kvpush" or "kvpush" not in conns:
+                continue
+            r, lo, hi = bootstrap_ratio(
+                samples.get(("kvpush", q, n), {}).get("ttft", []),
+                samples.get((c, q, n), {}).get("ttft", []),
+            )
+            row[f"kvpush_over_{c}"] = [r, lo, hi]
+            ratios.append(f"{r:.2f} [{lo:.2f}, {hi:.2f}]")
+        rows.append(row)
+        lines.append(f"| {n} | {q:g} | {load} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     lines.append("")
     lines.append(
         "Idle CPU of each set-up's engine processes (cores): "
         + ", ".join(f"{c} {statistics.fmean(v):.3f}" for c, v in idle.items())
     )
     if ready.get("kvpush"):
-        r = sorted(ready["kvpush"])
+        rd = sorted(ready["kvpush"])
         lines.append(
-            f"kvpush registration -> decode-ready: median {1000 * statistics.median(r):.1f} ms, "
-            f"p90 {1000 * r[int(0.9 * (len(r) - 1))]:.1f} ms over {len(r)} requests"
+            f"kvpush registration -> decode-ready: median {1000 * statistics.median(rd):.1f} ms, "
+            f"p90 {1000 * rd[int(0.9 * (len(rd) - 1))]:.1f} ms over {len(rd)} requests"
         )
     return {
         "rows": rows,
@@ -464,12 +577,11 @@ def _summarize(
 
 def _load_samples(
     out_dir: Path,
-) -> tuple[list[str], list[float], list[int], dict[tuple[str, float, int], dict[str, list[float]]]]:
+) -> tuple[list[str], list[tuple[int, float]], dict[tuple[str, float, int], dict[str, list[float]]]]:
     """Re-read the per-point JSON files (all repetitions pooled)."""
     samples: dict[tuple[str, float, int], dict[str, list[float]]] = {}
     conns: list[str] = []
-    qs: set[float] = set()
-    ns: set[int] = set()
+    points: set[tuple[int, float]] = set()
     for f in sorted(out_dir.glob("*_qps*_in*_out*_iter*.json")):
         res = json.loads(f.read_text())
         c = res.get("connector") or f.name.split("_qps")[0]
@@ -477,23 +589,21 @@ def _load_samples(
         n = int(f.name.split("_in")[1].split("_")[0])
         if c not in conns:
             conns.append(c)
-        qs.add(q)
-        ns.add(n)
+        points.add((n, q))
         s = samples.setdefault((c, q, n), {"ttft": [], "tpot": []})
         s["ttft"] += res["ttfts"]
         s["tpot"] += _tpots(res)
     order = [c for c in CONNECTORS if c in conns]
-    return order, sorted(qs), sorted(ns), samples
+    return order, sorted(points), samples
 
 
 def _plot(
     out_dir: Path,
     conns: list[str],
-    qps_list: list[float],
-    in_lens: list[int],
+    points: list[tuple[int, float]],
     samples: dict[tuple[str, float, int], dict[str, list[float]]],
 ) -> None:
-    """vllm_ttft.png and vllm_tpot.png: median per point, whiskers = 25th-75th percentile."""
+    """vllm_ttft.png and vllm_tpot.png: one panel per input length, median per point, whiskers = IQR."""
     try:
         import matplotlib
 
@@ -501,13 +611,15 @@ def _plot(
         import matplotlib.pyplot as plt
     except ImportError:
         return
+    in_lens = sorted({n for n, _ in points})
     for metric in ("ttft", "tpot"):
         fig, axes = plt.subplots(1, len(in_lens), figsize=(5 * len(in_lens), 4), squeeze=False)
         for j, n in enumerate(in_lens):
             ax = axes[0][j]
+            qs = sorted(q for m, q in points if m == n)
             for k, c in enumerate(conns):
                 xs, ys, lo, hi = [], [], [], []
-                for q in qps_list:
+                for q in qs:
                     v = sorted(samples.get((c, q, n), {}).get(metric) or [])
                     if not v:
                         continue
@@ -520,7 +632,7 @@ def _plot(
             ax.set_title(f"{metric.upper()} median (IQR), input {n} tokens")
             ax.set_xlabel("request rate (QPS)")
             ax.set_ylabel("ms")
-            ax.set_xticks(qps_list)
+            ax.set_xticks(qs)
             ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
             ax.legend()
@@ -530,5 +642,48 @@ def _plot(
 
 
 def plot_only(out_dir: Path) -> None:
-    conns, qs, ns, samples = _load_samples(out_dir)
-    _plot(out_dir, conns, qs, ns, samples)
+    conns, points, samples = _load_samples(out_dir)
+    _plot(out_dir, conns, points, samples)
+
+
+def points_from_loads(prefill_s: dict[int, float], loads: list[float]) -> list[tuple[int, float]]:
+    """(input, QPS) points that offer each prefill engine the given fractions of its capacity.
+
+    A 1P1D set-up saturates when arrivals x prefill time reaches 1; above that every connector's TTFT is
+    the queue's growth over the run, not the transfer. QPS are rounded to two significant digits so the
+    file names stay readable; the offered load is recorded with each point.
+    """
+    out: list[tuple[int, float]] = []
+    for n, t in prefill_s.items():
+        if t <= 0:
+            raise ValueError(f"prefill time for {n} tokens must be positive, got {t}")
+        for load in loads:
+            if not 0 < load < 1.5:
+                raise ValueError(f"load {load} is outside (0, 1.5): it is a fraction of prefill capacity")
+            out.append((n, float(f"{load / t:.2g}")))
+    return out
+
+
+def calibrate_prefill(
+    model: str, in_lens: list[int], log_dir: Path, seed: int, tries: int = 3
+) -> dict[int, float]:
+    """Median time for one engine alone (no connector, the prefill engine's core) to prefill each prompt
+    length: the unit that --loads is measured in."""
+    from kvpush.platforms.vllm.serve_pd import start_single
+
+    out: dict[int, float] = {}
+    dep = start_single(model, log_dir)
+    try:
+        client.stream_complete(dep.url, model, "warm up", 2, timeout=120)
+        for n in in_lens:
+            prompts = client.make_prompts(tries, [_words_for_tokens(n)], seed=seed + 7 * n)
+            times = []
+            for p in prompts:
+                r = client.stream_complete(dep.url, model, p, 1, timeout=300)
+                if not r.ok:
+                    raise RuntimeError(f"calibration request of {n} tokens failed: {r.error}")
+                times.append(r.ttft)
+            out[n] = statistics.median(times)
+    finally:
+        dep.stop()
+    return out

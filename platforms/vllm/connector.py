@@ -193,15 +193,6 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # kvpush adapts to the backend's layout; both sides must simply agree (checked)
 
     # ---- worker side -------------------------------------------------------------------------
-    def _backend_name(self, kv_caches: dict[str, Any]) -> str:
-        """The attention backend decides how a block's bytes are read; ask the first layer."""
-        ctx = self.vllm_config.compilation_config.static_forward_context
-        layer = ctx.get(next(iter(kv_caches)))
-        try:
-            return str(layer.get_attn_backend().get_name())
-        except AttributeError:
-            return "CPU_ATTN" if next(iter(kv_caches.values())).device.type == "cpu" else ""
-
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
@@ -423,7 +414,7 @@ class _Worker:
         ctx = self.vllm_config.compilation_config.static_forward_context
         layer = ctx.get(next(iter(kv_caches)))
         try:
-            return str(layer.get_attn_backend().get_name())
+            return str(layer.get_attn_backend().get_name())  # type: ignore[union-attr]
         except AttributeError:
             return "CPU_ATTN" if next(iter(kv_caches.values())).device.type == "cpu" else ""
 
@@ -550,9 +541,9 @@ class _Worker:
             return sending, recving, failed
         now = time.monotonic()
         if self.conn.is_producer:
-            for rid in finished_req_ids:
-                if rid in self.handed_at or rid in self.send_done:
-                    self.finished_seen.add(rid)
+            for fid in finished_req_ids:
+                if fid in self.handed_at or fid in self.send_done:
+                    self.finished_seen.add(fid)
             for r in self.endpoint.finished():
                 rid = self.key_to_req.pop(r.request_id, None)
                 if rid is None:
@@ -634,6 +625,9 @@ class _Worker:
         out["rank"] = self.rank
         out["pid"] = os.getpid()
         out["time"] = time.time()
+        # kvpush's own threads in this process (the benchmark measures their idle CPU from /proc)
+        out["threads"] = {t.name: t.native_id for t in threading.enumerate()
+                          if t.name.startswith("kvpush") and t.native_id is not None}
         if self.layout is not None:
             out["compat"] = self.layout.compat_hash()
             out["bytes_per_token"] = self.layout.bytes_per_token

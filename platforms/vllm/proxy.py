@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import copy
 import itertools
 import json
@@ -70,6 +71,10 @@ class Router:
         self._prefill = itertools.cycle(cfg.prefill)
         self._decode = itertools.cycle(cfg.decode)
         self._session: Any = None
+        # Per-request timestamps (proxy clock): when the prefill answered and when decode's first chunk
+        # arrived. The same instrument for every connector: `kvpush bench-vllm` reads it from
+        # GET /kvpush/timings to report prefill-done -> first decode token.
+        self.timings: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
 
     async def start(self) -> None:
         import aiohttp
@@ -121,23 +126,27 @@ class Router:
         decode_url = next(self._decode)
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         self.cfg.stats["requests"] += 1
+        rec: dict[str, Any] = {"id": request_id, "start": time.perf_counter()}
+        self.timings.append(rec)
         pull_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
         if self.cfg.mode == "pull":
             resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
+            rec["prefill_done"] = time.perf_counter()
             kv = resp.get("kv_transfer_params")
             if not kv:
                 raise BackendError(502, f"prefill {prefill.url} returned no kv_transfer_params "
                                         "(is it started with a kv_producer connector?)", prefill.url)
             decode_body = copy.deepcopy(body)
             decode_body["kv_transfer_params"] = kv
-            return await self._relay(decode_url + path, decode_body, headers, client, prefill_task=None)
+            return await self._relay(decode_url + path, decode_body, headers, client, None, rec)
         prefill_task = asyncio.ensure_future(
             self._post_json(prefill.url + path, self._prefill_body(body, {"do_remote_decode": True}), headers))
+        prefill_task.add_done_callback(lambda _f: rec.__setitem__("prefill_done", time.perf_counter()))
         decode_body = copy.deepcopy(body)
         decode_body["kv_transfer_params"] = self._push_params(prefill, request_id)
         try:
-            return await self._relay(decode_url + path, decode_body, headers, client, prefill_task)
+            return await self._relay(decode_url + path, decode_body, headers, client, prefill_task, rec)
         except asyncio.CancelledError:
             # The client went away: abort the prefill too (closing its connection makes vLLM abort it).
             prefill_task.cancel()
@@ -149,7 +158,7 @@ class Router:
                 prefill_task.add_done_callback(_swallow)
 
     async def _relay(self, url: str, body: dict[str, Any], headers: dict[str, str], client: Any,
-                     prefill_task: asyncio.Future[Any] | None) -> Any:
+                     prefill_task: asyncio.Future[Any] | None, rec: dict[str, Any] | None = None) -> Any:
         """Send to decode and relay its answer; fail fast when the prefill fails first."""
         import aiohttp
         from aiohttp import web
@@ -181,6 +190,8 @@ class Router:
                 first_task = asyncio.ensure_future(it.__anext__())
                 try:
                     first = await self._race(first_task, prefill_task)
+                    if rec is not None:
+                        rec["first_chunk"] = time.perf_counter()
                 except StopAsyncIteration:
                     first = b""
                 except BaseException:
@@ -266,6 +277,16 @@ def build_app(cfg: ProxyConfig) -> Any:
         status, body = await router.health()
         return web.json_response(body, status=status)
 
+    async def timings(request: web.Request) -> web.Response:
+        """Per-request proxy timestamps in seconds since the request arrived; ?clear=1 empties the log."""
+        out = []
+        for rec in list(router.timings):
+            t0 = rec["start"]
+            out.append({"id": rec["id"], **{k: round(v - t0, 6) for k, v in rec.items() if k not in ("id", "start")}})
+        if request.query.get("clear") == "1":
+            router.timings.clear()
+        return web.json_response(out)
+
     async def models(request: web.Request) -> web.StreamResponse:
         try:
             async with router._session.get(cfg.decode[0] + "/v1/models") as r:
@@ -278,6 +299,7 @@ def build_app(cfg: ProxyConfig) -> Any:
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/kvpush/timings", timings)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app["router"] = router

@@ -1,18 +1,19 @@
-"""Give vLLM's own NIXL agents a progress-thread delay (benchmark fairness on small CPU boxes).
+"""Benchmark-fairness patches for vLLM's own NIXL connectors on small CPU boxes.
 
-NIXL's Python wrapper hard-codes the progress thread's delay to 0, so every idle agent spins a core; on
-a 2-core machine that starves the engines and would make vLLM's connectors look worse than they are.
-`kvpush bench-vllm` puts this directory on PYTHONPATH for the nixl-push / nixl-pull servers with
-KVPUSH_NIXL_PTHR_DELAY_US set (100 by default, as the baseline measurements used). It wraps the
-binding's agent constructor to set the delay; nothing else changes.
+`kvpush bench-vllm` and `kvpush serve-pd` put this directory on PYTHONPATH for the nixl-push / nixl-pull
+servers. Two patches, each switched on by its own environment variable and applied lazily, when vLLM
+itself first imports the patched module, and only in that process (an earlier version imported NIXL at
+interpreter start-up in every process, which deadlocked NixlPushConnector's prefill engine):
 
-The patch is applied lazily, when vLLM itself first imports NIXL's Python API, and only in that process.
-An earlier version imported `nixl_cu13._api` here, at interpreter start-up, in every process (API
-server, EngineCore, workers): with NixlPushConnector this deadlocked the prefill engine on its first
-request (EngineCore waiting for the worker's reply, the worker waiting for the next message, both
-idle: see docs/vllm.md), with or without a delay set. Importing NIXL only where vLLM does avoids it.
-
-KVPUSH_NIXL_PROG_THREAD=0 instead turns the progress thread off (diagnostics only).
+- KVPUSH_NIXL_PTHR_DELAY_US=N: NIXL's Python wrapper hard-codes the progress thread's delay to 0, so
+  every idle agent spins a core; on a 2-core machine that starves the engines and would make vLLM's
+  connectors look worse than they are. The patch wraps the binding's agent constructor to set the delay.
+  KVPUSH_NIXL_PROG_THREAD=0 turns the progress thread off instead (diagnostics only).
+- KVPUSH_VLLM_NO_KV_CORE_PIN=1: on CPU, vLLM's NIXL worker pins the worker's main thread to the last
+  core of each NUMA node (meant to keep transfer work off the compute cores of a big box). On a box
+  where each engine owns one core (VLLM_CPU_OMP_THREADS_BIND) that moves the prefill engine's compute
+  thread onto the decode engine's core. The patch makes CpuPlatform.discover_numa_topology report no
+  cores to reserve, so each engine keeps the core it was given.
 """
 
 import importlib.abc
@@ -22,10 +23,10 @@ import sys
 
 _delay = int(os.environ.get("KVPUSH_NIXL_PTHR_DELAY_US", "0") or 0)
 _no_prog = os.environ.get("KVPUSH_NIXL_PROG_THREAD", "1") == "0"
-_TARGETS = ("nixl_cu13._api", "nixl_cu12._api")
+_no_pin = os.environ.get("KVPUSH_VLLM_NO_KV_CORE_PIN", "0") == "1"
 
 
-def _patch(mod):
+def _patch_nixl(mod):
     real = mod.nixlBind
 
     class _Bind:
@@ -42,21 +43,37 @@ def _patch(mod):
     mod.nixlBind = _Bind()
 
 
+def _patch_cpu_platform(mod):
+    def _no_reserved_cores(cls):
+        return []
+
+    mod.CpuPlatform.discover_numa_topology = classmethod(_no_reserved_cores)
+
+
+_PATCHES = {}
+if _delay > 0 or _no_prog:
+    _PATCHES.update({"nixl_cu13._api": _patch_nixl, "nixl_cu12._api": _patch_nixl})
+if _no_pin:
+    _PATCHES["vllm.platforms.cpu"] = _patch_cpu_platform
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
+    def __init__(self, inner, patch):
         self._inner = inner
+        self._patch = patch
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module):
         self._inner.exec_module(module)
-        _patch(module)
+        self._patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _TARGETS:
+        patch = _PATCHES.get(fullname)
+        if patch is None:
             return None
         sys.meta_path.remove(self)  # let the normal machinery find it, then wrap its loader
         try:
@@ -65,9 +82,9 @@ class _Finder(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _Loader(spec.loader)
+        spec.loader = _Loader(spec.loader, patch)
         return spec
 
 
-if _delay > 0 or _no_prog:
+if _PATCHES:
     sys.meta_path.insert(0, _Finder())
