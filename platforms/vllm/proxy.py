@@ -97,7 +97,15 @@ class Router:
                 if resp.status != 200:
                     raise BackendError(502 if resp.status < 500 else resp.status,
                                        f"{url} answered {resp.status}: {text[:500]}", url)
-                return json.loads(text)
+                try:
+                    data = json.loads(text)
+                except ValueError as exc:
+                    raise BackendError(502, f"{url} answered 200 with a body that is not JSON: {text[:200]!r}",
+                                       url) from exc
+                if not isinstance(data, dict):
+                    raise BackendError(502, f"{url} answered 200 with JSON that is not an object: {text[:200]!r}",
+                                       url)
+                return data
         except aiohttp.ClientConnectorError as exc:
             raise BackendError(503, f"backend {url} is unreachable: {exc}", url) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -202,8 +210,16 @@ class Router:
                 await out.prepare(client)
                 if first:
                     await out.write(first)
-                async for chunk in it:
-                    await out.write(chunk)
+                try:
+                    async for chunk in it:
+                        await out.write(chunk)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    # The 200 and its headers are already out: say so in-band (an SSE error event, no
+                    # [DONE]), end the stream and close the connection rather than start a second response.
+                    log.warning("decode %s failed mid-stream: %r", url, exc)
+                    err = _error_body(f"decode {url} failed mid-stream: {exc!r}", 502)
+                    await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                    out.force_close()
                 await out.write_eof()
                 return out
             finally:
@@ -357,7 +373,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(config_from_args(args))
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    # handler_cancellation: a client that goes away cancels dispatch, which cancels both backend requests
+    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
     return 0
 
 
