@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +112,17 @@ class _EndpointWorker(Worker):
         self.transport = transport
         self._next_tick = 0.0
         self.labels = (self.role, config.engine_id, str(layout.tp_rank))
+        self.result_listener: Callable[[], None] | None = None
+
+    def notify_result(self) -> None:
+        """A result was queued: tell the engine's listener (it may be sleeping in an idle step)."""
+        listener = self.result_listener
+        if listener is None:
+            return
+        try:
+            listener()
+        except Exception:  # noqa: BLE001 - a broken listener must not take the transfer thread down
+            log.exception("kvpush: result listener failed")
 
     def setup_transport(self) -> Transport:
         if self.transport is None:
@@ -333,6 +344,7 @@ class _PushWorker(_EndpointWorker):
             self.counters.failed += 1
         metrics.REQUESTS.labels(*self.labels, "ok" if act.ok else "failed").inc()
         self.results.put(SendResult(act.request_id, act.ok, act.block_ids, act.reason, act.nbytes, now))
+        self.notify_result()
 
     # ---- commands (run on this thread) --------------------------------------------------------
     def cmd_prefill_done(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, at: float) -> None:
@@ -365,6 +377,12 @@ class _Endpoint:
 
     def close(self) -> None:
         self._worker.stop()
+
+    def set_result_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener()` (on the transfer thread, so it must be quick and must not block) whenever a
+        result becomes available to `finished()`. An engine that sleeps while it has nothing to compute
+        uses it to wake up as soon as a transfer settles instead of polling."""
+        self._worker.result_listener = listener
 
     def stats(self) -> dict[str, int]:
         c = self._worker.counters
@@ -543,6 +561,7 @@ class _ReceiveWorker(_EndpointWorker):
         metrics.REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         self.results.put(result)
         self.ready_event.set()
+        self.notify_result()
 
     # ---- commands -----------------------------------------------------------------------------
     def cmd_expect(self, request_id: str, blocks: tuple[int, ...], num_tokens: int,

@@ -241,6 +241,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="leave vLLM's NIXL worker core pin in place (by default it is neutralised so each engine keeps "
         "its own core, see docs/vllm.md)",
     )
+    parser.add_argument(
+        "--no-confine",
+        action="store_true",
+        help="do not confine each engine's processes to its own core (by default prefill's API server, "
+        "EngineCore and worker run on core 0 and decode's on core 1, like two hosts; see docs/vllm.md)",
+    )
+    parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=4.0,
+        help="VLLM_CPU_KVCACHE_SPACE for every engine (push reserves decode blocks for the whole prefill)",
+    )
     parser.add_argument("--request-timeout", type=float, default=180.0, help="per-request client timeout (s)")
     parser.add_argument("--warmup-tries", type=int, default=3)
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figures from --result-dir")
@@ -268,7 +280,14 @@ def run(args: argparse.Namespace) -> int:
     calibration: dict[int, float] = {}
     if args.loads:
         loads = [float(x) for x in args.loads.split(",")]
-        calibration = calibrate_prefill(model, in_lens, out_dir / "logs" / "calibrate", args.seed)
+        calibration = calibrate_prefill(
+            model,
+            in_lens,
+            out_dir / "logs" / "calibrate",
+            args.seed,
+            confine=not args.no_confine,
+            kv_cache_gib=args.kv_cache_gib,
+        )
         points = points_from_loads(calibration, loads)
         print("prefill alone: " + ", ".join(f"{n} tokens {1000 * t:.0f} ms" for n, t in calibration.items()))
     else:
@@ -302,8 +321,16 @@ def run(args: argparse.Namespace) -> int:
                 env["VLLM_LOGGING_LEVEL"] = "INFO"  # its periodic "KV Transfer metrics" lines
             print(f"[rep {rep}] starting {conn}", flush=True)
             log_dir = out_dir / "logs" / f"{conn}-{rep}"
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
             dep = start_pd(
-                conn, model, log_dir, prefill_extra=extra, decode_extra=extra, prefill_env=env, decode_env=env
+                conn,
+                model,
+                log_dir,
+                prefill_extra=extra,
+                decode_extra=extra,
+                prefill_env=env,
+                decode_env=env,
+                confine_engines=not args.no_confine,
             )
             try:
                 warm = _warm_up(dep.url, model, args.warmup_tries, args.warmup_timeout)
@@ -665,14 +692,21 @@ def points_from_loads(prefill_s: dict[int, float], loads: list[float]) -> list[t
 
 
 def calibrate_prefill(
-    model: str, in_lens: list[int], log_dir: Path, seed: int, tries: int = 3
+    model: str,
+    in_lens: list[int],
+    log_dir: Path,
+    seed: int,
+    tries: int = 3,
+    confine: bool = True,
+    kv_cache_gib: float = 4.0,
 ) -> dict[int, float]:
     """Median time for one engine alone (no connector, the prefill engine's core) to prefill each prompt
     length: the unit that --loads is measured in."""
     from kvpush.platforms.vllm.serve_pd import start_single
 
     out: dict[int, float] = {}
-    dep = start_single(model, log_dir)
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    dep = start_single(model, log_dir, confine=confine)
     try:
         client.stream_complete(dep.url, model, "warm up", 2, timeout=120)
         for n in in_lens:

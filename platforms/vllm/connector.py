@@ -18,7 +18,9 @@ Prefill (kv_producer):
     failed, or was aborted), and only for requests the scheduler has already seen finish.
 
 The endpoints' background threads drive WRITEs to completion and deliver notifications themselves, so
-neither side depends on the engine's step cadence. Layout compatibility is checked in the handshake
+neither side depends on the engine's step cadence. An engine step with nothing to compute while only
+transfers are outstanding sleeps (up to idle_wait_ms) until the transfer thread wakes it (wake.py),
+instead of stepping in a tight loop. Layout compatibility is checked in the handshake
 (hash and geometry); a decode configured with `prefill_addresses` handshakes at start-up and refuses to
 start on a mismatch.
 
@@ -27,6 +29,7 @@ The shared transfer key is derived from the router's X-Request-Id (see transfer_
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -57,6 +60,7 @@ except ImportError:  # pragma: no cover - older vLLM
 from kvpush.config import KVPushConfig
 from kvpush.layout import LayoutError
 from kvpush.platforms.vllm.layout_probe import expand_blocks
+from kvpush.platforms.vllm.wake import IdleWaiter, IdleWaker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,7 +72,11 @@ log = logging.getLogger("kvpush.vllm")
 _DEBUG = bool(os.environ.get("KVPUSH_DEBUG"))
 
 # kv_connector_extra_config keys that belong to the vLLM integration; everything else is KVPushConfig.
-_OWN_KEYS = ("stats_dir", "prefill_addresses", "model_tag", "connect_timeout_s")
+_OWN_KEYS = ("stats_dir", "prefill_addresses", "model_tag", "connect_timeout_s", "idle_wait_ms")
+# How long an engine with nothing to compute, waiting only on transfers, sleeps per step (a finished
+# transfer wakes it at once; a new request waits at most this long). Decode waits through whole
+# prefills; prefill only for its WRITEs to finish, and new prompts arrive there, so it naps briefly.
+_IDLE_WAIT_MS = {"decode": 20.0, "prefill": 2.0}
 _SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
 
 
@@ -116,6 +124,11 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
     cancel_recv: list[tuple[str, str, str, int, int, int]] = field(default_factory=list)
     send: list[SendItem] = field(default_factory=list)
     abort_send: list[tuple[str, str]] = field(default_factory=list)  # (req_id, key)
+    wake_path: str = ""  # the scheduler's IdleWaiter; workers wake it when a transfer settles
+
+    def has_commands(self) -> bool:
+        return bool(self.expect or self.fail_recv or self.abort_recv or self.cancel_recv or self.send
+                    or self.abort_send)
 
 
 def _split_extra(extra: dict[str, Any], engine_id: str) -> tuple[KVPushConfig, dict[str, Any]]:
@@ -251,6 +264,14 @@ class _Scheduler:
         self.handed: set[str] = set()  # P: handed to the push thread, blocks held by us
         self.sending: set[str] = set()  # P: finished requests whose blocks wait for finished_sending
         self.recving: dict[str, tuple[int, ...]] = {}  # D: registered, KV not yet reported
+        role = "prefill" if conn.is_producer else "decode"
+        self.idle_wait_s = float(conn.own.get("idle_wait_ms", _IDLE_WAIT_MS[role])) / 1000.0
+        if self.idle_wait_s < 0:
+            raise ValueError(f"KVPushConnector: idle_wait_ms must be >= 0, got {self.idle_wait_s * 1000:g}")
+        self.waiter: IdleWaiter | None = None
+        if self.idle_wait_s > 0:
+            self.waiter = IdleWaiter()
+            atexit.register(self.waiter.close)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
@@ -311,6 +332,13 @@ class _Scheduler:
                 meta.send.append(SendItem(rid, transfer_key(rid, req.kv_transfer_params),
                                           tuple(blocks), num_tokens))
                 self.handed.add(rid)
+        if self.waiter is not None:
+            meta.wake_path = self.waiter.path
+            if (not scheduler_output.total_num_scheduled_tokens and not meta.has_commands()
+                    and (self.recving or self.sending or self.handed)):
+                # Nothing to compute, nothing to tell the worker: only transfers are outstanding.
+                # Sleep until one settles (the transfer thread wakes us) or idle_wait_ms passes.
+                self.waiter.wait(self.idle_wait_s)
         return meta
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -398,6 +426,7 @@ class _Worker:
                                       "ready_s": [], "push_s": []}
         self._stats_written = 0.0
         self._stats_stop = threading.Event()
+        self.waker: IdleWaker | None = None
 
     # ---- set-up ------------------------------------------------------------------------------
     def _model_tag(self) -> str:
@@ -480,6 +509,9 @@ class _Worker:
             return
         from kvpush.api import PrefillAddress
 
+        if meta.wake_path and (self.waker is None or self.waker.path != meta.wake_path):
+            self.waker = IdleWaker(meta.wake_path)
+            self.endpoint.set_result_listener(self.waker.wake)
         now = time.monotonic()
         for it in meta.expect:
             self.recv_key_to_req[it.key] = it.req_id
@@ -663,5 +695,8 @@ class _Worker:
         self._stats_stop.set()
         if self.endpoint is not None:
             self._write_stats(force=True)
-            self.endpoint.close()
+            self.endpoint.close()  # stops the transfer thread, the only user of the waker's socket
             self.endpoint = None
+        if self.waker is not None:
+            self.waker.close()
+            self.waker = None

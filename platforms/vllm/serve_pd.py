@@ -55,6 +55,20 @@ def free_ports(n: int, host: str = "127.0.0.1", span: int = 1) -> list[int]:
     return out
 
 
+def parse_cores(spec: str) -> set[int]:
+    """'0', '0-3', '0,2,4-5' -> the set of CPU ids."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise ValueError(f"no CPU ids in {spec!r}")
+    return out
+
+
 @dataclass
 class EngineSpec:
     """One vLLM server. role: 'prefill' | 'decode' | 'single'."""
@@ -129,13 +143,19 @@ class EngineSpec:
 class Started:
     """A process we started, in its own process group."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 cpus: set[int] | None = None):
         self.name = name
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        def confine() -> None:  # runs in the child before exec; its children inherit the mask
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=confine if cpus else None)
 
     @property
     def pid(self) -> int:
@@ -206,7 +226,11 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
              block_size: int | None = None, prefill_extra: dict[str, Any] | None = None,
              decode_extra: dict[str, Any] | None = None, decode_env: dict[str, str] | None = None,
              prefill_env: dict[str, str] | None = None, health_timeout_s: float = 300.0,
-             start_proxy: bool = True) -> Deployment:
+             start_proxy: bool = True, confine_engines: bool = False) -> Deployment:
+    """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
+    tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
+    otherwise only the model's compute threads are bound (VLLM_CPU_OMP_THREADS_BIND) and vLLM's
+    other processes float over all cores."""
     if connector not in CONNECTORS:
         raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
     p_port, d_port, p_kv, d_kv = free_ports(4, span=8)
@@ -229,7 +253,9 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
             url = f"http://127.0.0.1:{x_port}"
         for spec in (prefill, decode):
             argv, env = spec.command()
-            procs.append(Started(f"{connector}-{spec.role}", argv, env, log_dir / f"{connector}-{spec.role}.log"))
+            cpus = parse_cores(spec.cores) if confine_engines else None
+            procs.append(Started(f"{connector}-{spec.role}", argv, env, log_dir / f"{connector}-{spec.role}.log",
+                                 cpus))
         for spec in (prefill, decode):
             wait_healthy(spec.url, procs, health_timeout_s)
         if url:
@@ -242,10 +268,11 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
 
 
 def start_single(model: str, log_dir: Path, *, cores: str = "0", max_model_len: int = 16384,
-                 block_size: int | None = None, health_timeout_s: float = 300.0) -> Deployment:
+                 block_size: int | None = None, health_timeout_s: float = 300.0,
+                 confine: bool = False) -> Deployment:
     spec = EngineSpec("single", model, free_port(), cores, None, "", 0, max_model_len, block_size)
     argv, env = spec.command()
-    proc = Started("single", argv, env, log_dir / "single.log")
+    proc = Started("single", argv, env, log_dir / "single.log", parse_cores(cores) if confine else None)
     try:
         wait_healthy(spec.url, [proc], health_timeout_s)
     except BaseException:

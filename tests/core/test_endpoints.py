@@ -208,3 +208,35 @@ def test_cancel_before_expect_frees_prefill_blocks_at_once(pair):
     [sent] = until(p.finished, timeout=1.5)  # the lease is 2 s: this must come from the cancel
     assert not sent.ok and sent.block_ids == (6, 7) and "client disconnected" in sent.reason
     assert p.pending() == 0 and d.pending() == 0
+
+
+def test_result_listeners_fire_once_a_result_is_ready_and_a_broken_one_harms_nothing(pair):
+    hub, src, dst, p, d, addr = pair
+    seen: dict[str, list[int]] = {"decode": [], "prefill": []}
+
+    def listener(side):
+        def call():
+            # a result is already available when the listener runs
+            seen[side].append(1)
+        return call
+
+    d.set_result_listener(listener("decode"))
+    p.set_result_listener(listener("prefill"))
+    d.expect("a", [3, 1], 12, addr)
+    p.prefill_done("a", [5, 6, 2], 12)
+    [got] = until(d.finished)
+    [sent] = until(p.finished)
+    assert got.ok and sent.ok
+    assert seen == {"decode": [1], "prefill": [1]}
+
+    def broken():
+        raise RuntimeError("listener bug")
+
+    d.set_result_listener(broken)
+    p.set_result_listener(broken)
+    d.expect("b", [4, 2], 12, addr)
+    p.prefill_done("b", [7, 8, 9], 12)
+    [got] = until(d.finished)
+    [sent] = until(p.finished)
+    assert got.ok and sent.ok  # the transfer threads survived the listener's exception
+    assert same_bytes(src, dst, [7, 8, 9], [4, 2], 12)

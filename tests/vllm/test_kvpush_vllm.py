@@ -141,8 +141,9 @@ def test_both_event_orders_occur(pd, single, model: str) -> None:
     t.join(60)
     assert result["choices"][0]["token_ids"] == want
 
+    # the stats file is rewritten every 0.5 s: wait until it shows both orders (or time out)
     after = _wait(lambda: (c := _stats(pd, "prefill")["order_counts"])["prefill_first"] > before.get(
-        "prefill_first", 0) and c)
+        "prefill_first", 0) and c.get("registration_first", 0) > before.get("registration_first", 0) and c)
     assert after["prefill_first"] > before.get("prefill_first", 0)
     assert after["registration_first"] > before.get("registration_first", 0)
 
