@@ -25,11 +25,43 @@ from typing import Any
 
 import zmq
 
+_PREFIX = "kvpush-wake-"
+
 
 def new_wake_path() -> str:
     """A fresh ipc:// endpoint in the temporary directory, unique to this process and call."""
-    name = f"kvpush-wake-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    remove_stale_sockets()
+    name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
     return "ipc://" + os.path.join(tempfile.gettempdir(), name)
+
+
+def remove_stale_sockets(directory: str | None = None) -> int:
+    """Unlink socket files left by engines that were killed (atexit does not run on SIGKILL); only
+    files whose owning process no longer exists. Returns how many were removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_PREFIX):].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # still alive (or not ours to signal): keep
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+    return removed
 
 
 class IdleWaiter:

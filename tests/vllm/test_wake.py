@@ -57,3 +57,22 @@ def test_a_wake_that_came_while_busy_returns_at_once_and_is_consumed() -> None:
     finally:
         waker.close()
         waiter.close()
+
+
+def test_sockets_of_dead_engines_are_removed_and_live_ones_kept(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from kvpush.platforms.vllm.wake import remove_stale_sockets
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f"kvpush-wake-{dead_pid}-abc").write_text("")
+    (tmp_path / f"kvpush-wake-{os.getpid()}-def").write_text("")
+    (tmp_path / "kvpush-wake-notapid-x").write_text("")
+    (tmp_path / "unrelated").write_text("")
+    assert remove_stale_sockets(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"kvpush-wake-{os.getpid()}-def", "kvpush-wake-notapid-x", "unrelated"])
