@@ -318,7 +318,6 @@ def build_app(cfg: ProxyConfig) -> Any:
     app.router.add_get("/kvpush/timings", timings)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
-    app["router"] = router
     return app
 
 
