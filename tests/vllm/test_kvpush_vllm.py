@@ -154,10 +154,11 @@ def _kv_usage(url: str) -> float:
 
 def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
     prefill, decode = pd.engines
-    # A long prompt through the proxy; the client gives up while the prefill is still computing.
+    # A long prompt through the proxy; the client gives up mid-flight (2000 output tokens take seconds
+    # even when the prefill is quick, so the 0.3 s timeout always fires before the answer).
     prompt = client.make_prompts(1, [1800], seed=5)[0]
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
-        client.complete(pd.url, model, prompt, 64, timeout=0.3)
+        client.complete(pd.url, model, prompt, 2000, timeout=0.3)
     # A decode whose prefill never comes: the client gives up while the decode waits for KV.
     push = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id, "remote_host": "127.0.0.1",
             "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1, "remote_request_id": "never"}
