@@ -356,10 +356,10 @@ def run(args: argparse.Namespace) -> int:
                     name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
                     (out_dir / name).write_text(json.dumps(res))
                     texts.setdefault((conn, q, n), []).append(res["generated_texts"])
-                    s = samples.setdefault((conn, q, n), {"ttft": [], "tpot": []})
+                    s = samples.setdefault((conn, q, n), {"ttft": [], "tpot": [], "p2d": []})
                     s["ttft"] += res["ttfts"]
                     s["tpot"] += _tpots(res)
-                    s.setdefault("p2d", []).extend(res["prefill_to_first_token_s"])
+                    s["p2d"] += res["prefill_to_first_token_s"]
                     print(
                         f"  {name}: median TTFT {res['median_ttft_ms']:.1f} ms, TPOT "
                         f"{res['median_tpot_ms']:.1f} ms, failed {res['failed']}",
@@ -705,8 +705,7 @@ def calibrate_prefill(
     from kvpush.platforms.vllm.serve_pd import start_single
 
     out: dict[int, float] = {}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
-    dep = start_single(model, log_dir, confine=confine)
+    dep = start_single(model, log_dir, confine=confine, env={"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"})
     try:
         client.stream_complete(dep.url, model, "warm up", 2, timeout=120)
         for n in in_lens:

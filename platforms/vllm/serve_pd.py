@@ -149,13 +149,10 @@ class Started:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        def confine() -> None:  # runs in the child before exec; its children inherit the mask
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
+        # cpus: set in the child before exec, so every process the engine starts inherits the mask
+        confine = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                     preexec_fn=confine if cpus else None)
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=confine)
 
     @property
     def pid(self) -> int:
@@ -269,10 +266,11 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
 
 def start_single(model: str, log_dir: Path, *, cores: str = "0", max_model_len: int = 16384,
                  block_size: int | None = None, health_timeout_s: float = 300.0,
-                 confine: bool = False) -> Deployment:
-    spec = EngineSpec("single", model, free_port(), cores, None, "", 0, max_model_len, block_size)
-    argv, env = spec.command()
-    proc = Started("single", argv, env, log_dir / "single.log", parse_cores(cores) if confine else None)
+                 confine: bool = False, env: dict[str, str] | None = None) -> Deployment:
+    spec = EngineSpec("single", model, free_port(), cores, None, "", 0, max_model_len, block_size,
+                      env=dict(env or {}))
+    argv, proc_env = spec.command()
+    proc = Started("single", argv, proc_env, log_dir / "single.log", parse_cores(cores) if confine else None)
     try:
         wait_healthy(spec.url, [proc], health_timeout_s)
     except BaseException:
