@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.layout import KVLayout, packed_planes
+from kvpush.protocol.layout import KVLayout, packed_planes
 
 
 class CudaUnavailable(RuntimeError):

@@ -9,7 +9,7 @@ import mmap
 
 import numpy as np
 
-from kvpush.layout import KVLayout, packed_planes
+from kvpush.protocol.layout import KVLayout, packed_planes
 
 
 class HostKVCache:

@@ -11,7 +11,7 @@ configuration and the clear error when the backend cannot load.
 from __future__ import annotations
 
 from kvpush.config import KVPushConfig
-from kvpush.layout import KVLayout, LayoutError, packed_planes
+from kvpush.protocol.layout import KVLayout, LayoutError, packed_planes
 
 
 class NeuronKVCache:

@@ -1,7 +1,83 @@
 """kvpush: push-based KV-cache transfer between prefill and decode engines over NIXL.
 
-The core (wire, layout, plan, sender, receiver) is sans-IO and importable without torch, vLLM or NIXL;
-`kvpush.api` wires it to real threads, sockets and a NIXL agent.
+The public surface. The protocol core (kvpush.protocol) is sans-IO and importable without torch, vLLM or
+NIXL; kvpush.endpoint wires it to one transfer thread per rank, a side channel and a transport.
+
+    from kvpush import DecodeEndpoint, KVLayout, KVPushConfig, PrefillAddress, PrefillEndpoint
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import KVPushConfig
+    from .endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
+    from .errors import (
+        ConfigError,
+        EndpointClosed,
+        HandshakeTimeout,
+        KVPushError,
+        LayoutError,
+        LocalProtocolError,
+        PeerGone,
+        PeerRefused,
+        ProtocolError,
+        RemoteProtocolError,
+        RequestError,
+        TransportError,
+        WireError,
+    )
+    from .protocol.layout import KVLayout, Plane, Region, packed_planes
+
+# Resolved on first use, so that `import kvpush.protocol.sender` (or the proxy) does not pull in the
+# endpoints' ZeroMQ and NIXL layers.
+_WHERE = {
+    "KVPushConfig": ".config",
+    **dict.fromkeys(("DecodeEndpoint", "PrefillAddress", "PrefillEndpoint", "RecvResult", "SendResult"),
+                    ".endpoint"),
+    **dict.fromkeys(("ConfigError", "EndpointClosed", "HandshakeTimeout", "KVPushError", "LayoutError",
+                     "LocalProtocolError", "PeerGone", "PeerRefused", "ProtocolError", "RemoteProtocolError",
+                     "RequestError", "TransportError", "WireError"), ".errors"),
+    **dict.fromkeys(("KVLayout", "Plane", "Region", "packed_planes"), ".protocol.layout"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'kvpush' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "DecodeEndpoint",
+    "EndpointClosed",
+    "HandshakeTimeout",
+    "KVLayout",
+    "KVPushConfig",
+    "KVPushError",
+    "LayoutError",
+    "LocalProtocolError",
+    "PeerGone",
+    "PeerRefused",
+    "Plane",
+    "PrefillAddress",
+    "PrefillEndpoint",
+    "ProtocolError",
+    "RecvResult",
+    "Region",
+    "RemoteProtocolError",
+    "RequestError",
+    "SendResult",
+    "TransportError",
+    "WireError",
+    "__version__",
+    "packed_planes",
+]

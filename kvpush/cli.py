@@ -12,13 +12,13 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("kvpush.demo", "push N requests prefill->decode over real NIXL and verify every byte"),
-    "bench": ("kvpush.bench.cli", "push vs pull on the engine emulator (one run, side by side)"),
-    "plot": ("kvpush.bench.plot", "draw the TTFT/TPOT figure from a results folder"),
-    "proxy": ("kvpush.platforms.vllm.proxy", "OpenAI-compatible concurrent-dispatch P/D proxy"),
-    "serve-pd": ("kvpush.platforms.vllm.serve_pd", "start prefill, decode and proxy on 127.0.0.1"),
-    "bench-vllm": ("kvpush.platforms.vllm.bench_vllm", "head-to-head of vLLM connectors on real vLLM"),
-    "cluster": ("kvpush.cluster", "find and check the AWS test cluster's nodes"),
+    "demo": ("kvpush.apps.demo.cli", "push N requests prefill->decode over real NIXL and verify every byte"),
+    "bench": ("kvpush.apps.bench.cli", "push vs pull on the engine emulator (one run, side by side)"),
+    "plot": ("kvpush.apps.bench.plot", "draw the TTFT/TPOT figure from a results folder"),
+    "proxy": ("kvpush.platforms.vllm.tools.proxy", "OpenAI-compatible concurrent-dispatch P/D proxy"),
+    "serve-pd": ("kvpush.platforms.vllm.tools.serve_pd", "start prefill, decode and proxy on 127.0.0.1"),
+    "bench-vllm": ("kvpush.platforms.vllm.tools.bench_vllm", "head-to-head of vLLM connectors on real vLLM"),
+    "cluster": ("kvpush.apps.cluster", "find and check the AWS test cluster's nodes"),
 }
 
 

@@ -12,9 +12,7 @@ from typing import Any
 
 import msgspec
 
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
+from .errors import ConfigError
 
 
 class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

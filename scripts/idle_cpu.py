@@ -16,10 +16,10 @@ import time
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvpush.api import DecodeEndpoint, PrefillAddress, PrefillEndpoint  # noqa: E402
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint  # noqa: E402
 from kvpush.backends.host import HostKVCache  # noqa: E402
 from kvpush.config import KVPushConfig  # noqa: E402
-from kvpush.layout import KVLayout  # noqa: E402
+from kvpush.protocol.layout import KVLayout  # noqa: E402
 
 
 def thread_cpu_ns(tid: int) -> int:

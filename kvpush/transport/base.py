@@ -13,14 +13,11 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..layout import Region
+from ..errors import TransportError as TransportError  # re-exported: the data plane's error
+from ..protocol.layout import Region
 
 XferState = Literal["DONE", "PROC"]
 Descs = npt.NDArray[np.int64]  # N x 3: (addr, len, device id)
-
-
-class TransportError(RuntimeError):
-    """A transfer, notification or peer operation failed; the message says which and why."""
 
 
 class XferHandle(Protocol):
@@ -36,7 +33,6 @@ class Transport(Protocol):
     def connect(self, peer: str) -> None: ...
     def remove_peer(self, peer: str) -> None: ...
     def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> XferHandle: ...
-    def post_read(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> XferHandle: ...
     def poll(self, handle: XferHandle) -> XferState: ...
     def release(self, handle: XferHandle) -> None: ...
     def send_notif(self, peer: str, msg: bytes) -> None: ...

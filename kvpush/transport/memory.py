@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..layout import Region
+from ..protocol.layout import Region
 from .base import Descs, TransportError, XferState
 
 
@@ -100,10 +100,8 @@ class MemoryTransport:
     def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> _Xfer:
         return self._post(peer, local, remote, notif, write=True)
 
-    def post_read(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> _Xfer:
-        return self._post(peer, local, remote, notif, write=False)
-
     def _post(self, peer: str, local: Descs, remote: Descs, notif: bytes, write: bool) -> _Xfer:
+        """A WRITE copies local -> remote; `write=False` is a READ (for tests of pull-style users)."""
         self._alive(peer)
         if peer not in self.peers:
             raise TransportError(f"{peer!r} is not a known peer of {self.name}")

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..layout import Region
+from ..protocol.layout import Region
 from .base import Descs, TransportError, XferState
 
 
@@ -85,9 +85,6 @@ class NixlTransport:
 
     def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> Any:
         return self._post("WRITE", peer, local, remote, notif, mem_type)
-
-    def post_read(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> Any:
-        return self._post("READ", peer, local, remote, notif, mem_type)
 
     def poll(self, handle: Any) -> XferState:
         try:

@@ -14,7 +14,7 @@ __all__ = ["KVPushConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVPushConnector":
-        from kvpush.platforms.vllm.connector import KVPushConnector
+        from .connector import KVPushConnector
 
         return KVPushConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

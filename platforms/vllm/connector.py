@@ -58,9 +58,10 @@ except ImportError:  # pragma: no cover - older vLLM
         pass
 
 from kvpush.config import KVPushConfig
-from kvpush.layout import LayoutError
-from kvpush.platforms.vllm.layout_probe import expand_blocks
-from kvpush.platforms.vllm.wake import IdleWaiter, IdleWaker
+from kvpush.protocol.layout import LayoutError
+
+from .layout_probe import expand_blocks
+from .wake import IdleWaiter, IdleWaker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -448,8 +449,9 @@ class _Worker:
             return "CPU_ATTN" if next(iter(kv_caches.values())).device.type == "cpu" else ""
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from kvpush.api import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-        from kvpush.platforms.vllm.layout_probe import layout_from_kv_caches
+        from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+
+        from .layout_probe import layout_from_kv_caches
 
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -507,7 +509,7 @@ class _Worker:
     def start_step(self, meta: KVPushConnectorMetadata) -> None:
         if self.endpoint is None:
             return
-        from kvpush.api import PrefillAddress
+        from kvpush.endpoint import PrefillAddress
 
         if meta.wake_path and (self.waker is None or self.waker.path != meta.wake_path):
             self.waker = IdleWaker(meta.wake_path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvpush.layout import KVLayout, LayoutError, Plane, Region
+from kvpush.protocol.layout import KVLayout, LayoutError, Plane, Region
 
 
 def _storage_span(t: Any) -> tuple[int, int]:

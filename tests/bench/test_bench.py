@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from kvpush.bench.costmodel import CostModel
-from kvpush.bench.metrics import REQUIRED_KEYS, summarize
-from kvpush.bench.runner import arrivals
+from kvpush.apps.bench.costmodel import CostModel
+from kvpush.apps.bench.metrics import REQUIRED_KEYS, summarize
+from kvpush.apps.bench.runner import arrivals
 
 pytestmark = pytest.mark.e2e
 
@@ -40,9 +40,9 @@ def test_posted_descriptors_in_order_vs_sorted() -> None:
 def test_sorted_descriptor_count_matches_the_planner() -> None:
     import numpy as np
 
-    from kvpush.bench.alloc import BlockPool, blocks_for
-    from kvpush.layout import packed_planes
-    from kvpush.plan import build_plan
+    from kvpush.apps.bench.alloc import BlockPool, blocks_for
+    from kvpush.protocol.layout import packed_planes
+    from kvpush.protocol.plan import build_plan
 
     cm = CostModel.load()
     lay = cm.layout("decode")
@@ -89,7 +89,7 @@ def test_tiny_sweep_writes_results_and_summary(tmp_path) -> None:
     from kvpush.cli import main
 
     # small pools (the default's real-size pools cost seconds to fill, register and age per engine)
-    text = resources.files("kvpush.bench").joinpath("qwen3_32b_tp8_h200.toml").read_text()
+    text = resources.files("kvpush.apps.bench").joinpath("qwen3_32b_tp8_h200.toml").read_text()
     text = text.replace("prefill_num_blocks = 217000", "prefill_num_blocks = 2048")
     text = text.replace("decode_num_blocks = 217000", "decode_num_blocks = 2048")
     assert "prefill_num_blocks = 2048" in text and "decode_num_blocks = 2048" in text

@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device visible (these checks run on the GPU machine)", allow_module_level=True)
 
 from kvpush.backends.cuda import CudaKVCache  # noqa: E402
-from kvpush.layout import KVLayout  # noqa: E402
-from kvpush.plan import build_plan  # noqa: E402
+from kvpush.protocol.layout import KVLayout  # noqa: E402
+from kvpush.protocol.plan import build_plan  # noqa: E402
 from kvpush.transport.nixl import NixlTransport, prepare_environment  # noqa: E402
 
 ENV = dict(os.environ, NIXL_LOG_LEVEL="WARN")

@@ -1,7 +1,7 @@
 """The EFA rules, checked on tfparse's evaluation of a Terraform configuration.
 
 Each rule returns the violations it finds as readable strings; an empty list means the configuration
-follows it. The expected hardware facts come from kvpush.cluster.PROFILES (itself checked against the
+follows it. The expected hardware facts come from kvpush.apps.cluster.PROFILES (itself checked against the
 Terraform table and EC2's DescribeInstanceTypes data in test_terraform.py).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.cluster import PROFILES
+from kvpush.apps.cluster import PROFILES
 
 EFA_TYPES = ("efa", "efa-only")
 AMI_PARAMETERS = {

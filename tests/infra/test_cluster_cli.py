@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpush import cli
-from kvpush.cluster import PROFILES, Interface, Node, check_nodes, render_env
+from kvpush.apps.cluster import PROFILES, Interface, Node, check_nodes, render_env
 from tests.infra.infra_tools import python_dep
 
 REGION = "us-east-2"
@@ -353,7 +353,7 @@ def _node(role: str, **overrides: Any) -> Node:
 
 
 def test_check_nodes_flags_an_efa_only_primary_and_split_zones() -> None:
-    from kvpush.cluster import TypeFacts
+    from kvpush.apps.cluster import TypeFacts
 
     facts = {"p5en.48xlarge": TypeFacts("p5en.48xlarge", 16, True, 16)}
     bad_primary = _node(
@@ -369,7 +369,7 @@ def test_check_nodes_flags_an_efa_only_primary_and_split_zones() -> None:
 
 
 def test_render_env_needs_prefill_and_decode() -> None:
-    from kvpush.cluster import DEFAULT_PORTS, ClusterError
+    from kvpush.apps.cluster import DEFAULT_PORTS, ClusterError
 
     with pytest.raises(ClusterError, match="no decode node"):
         render_env("c", REGION, [_node("prefill")], DEFAULT_PORTS)

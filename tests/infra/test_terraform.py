@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.cluster import PROFILES
+from kvpush.apps.cluster import PROFILES
 from tests.infra import efa_rules
 from tests.infra.infra_tools import (
     FIXTURES,
@@ -358,7 +358,7 @@ def test_cluster_env_output_has_the_keys_the_scripts_read() -> None:
 
 
 def test_node_role_allows_every_call_kvpush_cluster_makes(stacks: dict[str, dict[str, Any]]) -> None:
-    source = (ROOT / "kvpush" / "cluster.py").read_text()
+    source = (ROOT / "kvpush" / "apps" / "cluster.py").read_text()
     calls = set(re.findall(r'"(describe_[a-z_]+)"', source)) | set(
         re.findall(r"ec2\.(describe_[a-z_]+)", source)
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.platforms.vllm import bench_vllm
+from kvpush.platforms.vllm.tools import bench_vllm
 
 
 def test_points_from_loads_offer_the_requested_fraction_of_prefill_capacity() -> None:

@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvpush.platforms.vllm import client  # noqa: E402
-from kvpush.platforms.vllm.serve_pd import EngineSpec, free_port, start_pd, start_single  # noqa: E402
-from kvpush.platforms.vllm.tiny_model import build  # noqa: E402
+from kvpush.platforms.vllm.tools import client  # noqa: E402
+from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd, start_single  # noqa: E402
+from kvpush.platforms.vllm.tools.tiny_model import build  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 

@@ -1,4 +1,4 @@
-"""Unit tests of `kvpush proxy` (platforms/vllm/proxy.py) against fake vLLM backends.
+"""Unit tests of `kvpush proxy` (platforms/vllm/tools/proxy.py) against fake vLLM backends.
 
 Everything runs in-process on 127.0.0.1: the fake prefill/decode backends and the proxy are aiohttp apps
 on ephemeral ports, and a plain aiohttp ClientSession talks to the proxy. No vLLM, no GPU. Each test is a
@@ -23,8 +23,8 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from aiohttp import web  # noqa: E402
 
-from kvpush.platforms.vllm import proxy as proxy_mod  # noqa: E402
-from kvpush.platforms.vllm.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
+from kvpush.platforms.vllm.tools import proxy as proxy_mod  # noqa: E402
+from kvpush.platforms.vllm.tools.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
 
 CALL_TIMEOUT_S = 5.0  # one proxy call
 TEST_TIMEOUT_S = 20.0  # one whole test body

@@ -1,0 +1,252 @@
+"""The two processes of `kvpush demo`: a prefill engine and a decode engine, each with host KV caches.
+
+Each runs a small command loop on its main thread (commands come from the parent over a pipe) while the
+kvpush endpoints' background threads move the KV. Block tables are fragmented on purpose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
+from kvpush.backends.host import HostKVCache
+from kvpush.config import KVPushConfig
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.protocol.layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Geometry:
+    layers: int
+    total_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    block_size: int
+    num_blocks: int
+    tp_size: int
+    token_order: str = "NHD"
+
+    def layout(self, rank: int) -> KVLayout:
+        return KVLayout(num_layers=self.layers, block_size=self.block_size, num_blocks=self.num_blocks,
+                        total_kv_heads=self.total_kv_heads, head_dim=self.head_dim, dtype_size=self.dtype_size,
+                        tp_rank=rank, tp_size=self.tp_size, token_order=self.token_order)  # type: ignore[arg-type]
+
+
+class BlockAllocator:
+    """Free list in shuffled runs of `run` blocks: tables come out fragmented, as in a busy engine."""
+
+    def __init__(self, num_blocks: int, seed: int, run: int) -> None:
+        rng = random.Random(seed)
+        if run <= 1:
+            order = list(range(num_blocks))
+            rng.shuffle(order)
+        else:
+            runs = [list(range(s, min(s + run, num_blocks))) for s in range(0, num_blocks, run)]
+            rng.shuffle(runs)
+            order = [b for r in runs for b in r]
+        self.free = order
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise MemoryError(f"need {n} blocks, {len(self.free)} free")
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+
+def _endpoints_config(engine_id: str, port: int) -> KVPushConfig:
+    return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0)
+
+
+def make_cache(layout: KVLayout, device: str) -> Any:
+    """Host DRAM or CUDA VRAM (--device cuda: every rank on GPU 0 unless more are visible)."""
+    if device == "cuda":
+        import torch
+
+        from kvpush.backends.cuda import CudaKVCache
+        return CudaKVCache(layout, layout.tp_rank % max(1, torch.cuda.device_count()))
+    return HostKVCache(layout)
+
+
+def _stats_reply(eps: list[Any], alloc: BlockAllocator, geo: Geometry) -> tuple[Any, ...]:
+    """Counters summed over this process's ranks, and how many blocks are free (all, if none leaked)."""
+    agg: dict[str, int] = {}
+    for ep in eps:
+        for k, v in ep.stats().items():
+            agg[k] = agg.get(k, 0) + v
+    return ("stats", agg, len(alloc.free), geo.num_blocks)
+
+
+def _shut_down(conn: Connection, eps: list[Any], raw: Any) -> None:
+    """Close the endpoints and the raw-measurement agent, then tell the parent this process is done."""
+    for ep in eps:
+        ep.close()
+    if raw is not None:
+        raw.close()
+    conn.send(("bye",))
+
+
+def _raw_transport(name: str, cache: Any) -> Any:
+    from kvpush.transport.nixl import NixlTransport
+    t = NixlTransport(name)
+    t.register(cache.layout.regions, cache.mem_type)
+    return t
+
+
+def _logging() -> None:
+    level = os.environ.get("KVPUSH_LOG")
+    if level:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(processName)s %(message)s")
+
+
+def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int, device: str) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    _logging()
+    caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
+    cfg = _endpoints_config("demo-prefill", port)
+    eps = [PrefillEndpoint(cfg, c.layout, c.mem_type) for c in caches]
+    for ep in eps:
+        ep.start()
+    alloc = BlockAllocator(geo.num_blocks, seed, run)
+    live: dict[str, tuple[list[int], int, set[int], list[str]]] = {}
+    raw: Any = None
+    conn.send(("up", eps[0].address))
+    try:
+        while True:
+            if conn.poll(0.001):
+                cmd = conn.recv()
+                kind = cmd[0]
+                if kind == "prepare":  # the "compute": allocate and write this request's KV
+                    _, rid, n, tag = cmd
+                    blocks = alloc.allocate(-(-n // geo.block_size))
+                    for c in caches:
+                        host = c.to_host()
+                        fill(host, c.layout, blocks, n, tag)
+                        c.from_host(host)
+                    live[rid] = (blocks, n, set(), [])
+                    conn.send(("prepared", rid))
+                elif kind == "prefill_done":
+                    rid = cmd[1]
+                    blocks, n = live[rid][0], live[rid][1]
+                    at = time.monotonic()
+                    for ep in eps:
+                        ep.prefill_done(rid, blocks, n)
+                    conn.send(("prefilled", rid, at))
+                elif kind == "stats":
+                    conn.send(_stats_reply(eps, alloc, geo))
+                elif kind == "raw_peer":
+                    raw = raw or _raw_transport("demo-raw-prefill", caches[0])
+                    conn.send(("raw_peer", raw.add_peer(cmd[1])))
+                elif kind == "raw_write":
+                    _, peer, dst_addr, dst_dev, nbytes, label = cmd
+                    region = caches[0].layout.regions[0]
+                    src = np.array([[region.addr, nbytes, region.device_id]], dtype=np.int64)
+                    dst = np.array([[dst_addr, nbytes, dst_dev]], dtype=np.int64)
+                    at = time.monotonic()
+                    h = raw.post_write(peer, src, dst, label.encode(), caches[0].mem_type)
+                    while raw.poll(h) == "PROC":
+                        time.sleep(20e-6)
+                    raw.release(h)
+                    conn.send(("raw_written", at, time.monotonic()))
+                elif kind == "stop":
+                    break
+            for rank, ep in enumerate(eps):
+                for res in ep.finished():
+                    entry = live.get(res.request_id)
+                    if entry is None:
+                        continue
+                    entry[2].add(rank)
+                    if not res.ok:
+                        entry[3].append(res.reason)
+                    if len(entry[2]) == len(eps):
+                        del live[res.request_id]
+                        alloc.release(entry[0])
+                        conn.send(("released", res.request_id, not entry[3], "; ".join(entry[3])))
+    finally:
+        _shut_down(conn, eps, raw)
+
+
+def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int, device: str) -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    _logging()
+    caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
+    cfg = _endpoints_config("demo-decode", 0)
+    eps = [DecodeEndpoint(cfg, c.layout, c.mem_type) for c in caches]
+    for ep in eps:
+        ep.start()
+    alloc = BlockAllocator(geo.num_blocks, seed + 1, run)
+    live: dict[str, dict[str, Any]] = {}
+    raw: Any = None
+    conn.send(("up", None))
+    try:
+        while True:
+            if conn.poll(0.001):
+                cmd = conn.recv()
+                kind = cmd[0]
+                if kind == "connect":
+                    addr = PrefillAddress("demo-prefill", cmd[1][0], cmd[1][1], prefill_tp)
+                    for ep in eps:
+                        ep.connect(addr)
+                    conn.send(("connected",))
+                elif kind == "expect":
+                    _, rid, n, tag, (host, port) = cmd
+                    blocks = alloc.allocate(-(-n // geo.block_size))
+                    live[rid] = {"blocks": blocks, "n": n, "tag": tag, "done": {}, "at": time.monotonic()}
+                    addr = PrefillAddress("demo-prefill", host, port, prefill_tp)
+                    for ep in eps:
+                        ep.expect(rid, blocks, n, addr)
+                    conn.send(("expected", rid, live[rid]["at"]))
+                elif kind == "verify":  # outside the timed part: check every byte, scrub, free
+                    entry = live.pop(cmd[1])
+                    wrong = -1
+                    hosts = [c.to_host() for c in caches]
+                    if entry.get("ok"):
+                        wrong = sum(count_wrong_bytes(h, c.layout, entry["blocks"], entry["n"], entry["tag"])
+                                    for h, c in zip(hosts, caches, strict=True))
+                    for h, c in zip(hosts, caches, strict=True):
+                        scrub(h, c.layout, entry["blocks"])
+                        c.from_host(h)
+                    alloc.release(entry["blocks"])
+                    conn.send(("verified", cmd[1], wrong))
+                elif kind == "raw_md":
+                    raw = raw or _raw_transport("demo-raw-decode", caches[0])
+                    region = caches[0].layout.regions[0]
+                    conn.send(("raw_md", raw.metadata(), region.addr, region.device_id))
+                elif kind == "raw_wait":
+                    label = cmd[1].encode()
+                    while True:
+                        got = [m for _p, m in raw.drain_notifs() if m == label]
+                        if got:
+                            conn.send(("raw_notified", time.monotonic()))
+                            break
+                        time.sleep(20e-6)
+                elif kind == "stats":
+                    conn.send(_stats_reply(eps, alloc, geo))
+                elif kind == "stop":
+                    break
+            for rank, ep in enumerate(eps):
+                for res in ep.finished():
+                    pending = live.get(res.request_id)
+                    if pending is None:
+                        continue
+                    entry = pending
+                    entry["done"][rank] = res
+                    if len(entry["done"]) < len(eps):
+                        continue
+                    results = list(entry["done"].values())
+                    entry["ok"] = all(r.ok for r in results)
+                    conn.send(("ready", res.request_id, entry["ok"],
+                               "; ".join(r.reason for r in results if r.reason),
+                               max(r.ready_at for r in results), sum(r.nbytes for r in results)))
+    finally:
+        _shut_down(conn, eps, raw)

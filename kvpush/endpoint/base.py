@@ -1,0 +1,214 @@
+"""What the prefill and decode endpoints share: results, addresses, the rank's transport, the ledger,
+the public lifecycle (start, close, sticky death) and the engine-call argument checks."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ..config import KVPushConfig
+from ..errors import LayoutError, RequestError, WireError
+from ..protocol.handshake import make_hello
+from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.wire import Codec, Hello, Message
+from ..transport.base import Transport
+from ..transport.nixl import NixlTransport, prepare_environment
+from .control import ControlPlane, ZmqControl
+from .loop import Worker
+from .stats import Ledger
+
+log = logging.getLogger("kvpush")
+
+
+@dataclass(frozen=True)
+class PrefillAddress:
+    """Where a decode engine finds the prefill engine (as a router passes it along)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def rank_port(self, rank: int) -> int:
+        return self.port + rank
+
+    def rank_endpoint(self, rank: int) -> str:
+        return f"tcp://{self.host}:{self.rank_port(rank)}"
+
+
+@dataclass(frozen=True)
+class SendResult:
+    request_id: str
+    ok: bool
+    block_ids: tuple[int, ...]
+    reason: str = ""
+    nbytes: int = 0
+    done_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecvResult:
+    request_id: str
+    ok: bool
+    block_ids: tuple[int, ...]
+    reason: str = ""
+    nbytes: int = 0
+    ready_at: float = 0.0
+
+
+def new_nixl_transport(config: KVPushConfig, role: str, rank: int) -> Transport:
+    prepare_environment(config.ucx_net_devices)
+    return NixlTransport(f"{config.engine_id}-{role}-{rank}-{uuid.uuid4().hex[:8]}", config.backends)
+
+
+R = TypeVar("R", SendResult, RecvResult)
+
+
+class EndpointWorker(Worker, Generic[R]):
+    """A worker that owns one rank's transport (created and registered on its own thread at start),
+    its side channel, its ledger and the queue of results the engine drains."""
+
+    role = ""
+
+    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
+                 transport: Transport | Callable[[], Transport] | None, control: ControlPlane | None) -> None:
+        super().__init__(config)
+        self.layout = layout
+        self.mem_type = mem_type
+        self.codec = Codec(config.max_message_bytes, config.hmac_key)
+        self.control: ControlPlane = control if control is not None else ZmqControl()
+        self._transport_source = transport
+        self._next_tick = 0.0
+        self.ledger = Ledger(self.role, config.engine_id, layout.tp_rank)
+        self.results: queue.SimpleQueue[R] = queue.SimpleQueue()
+        self.result_event = threading.Event()
+        self.result_listener: Callable[[], None] | None = None
+
+    def setup_transport(self) -> tuple[Transport, Hello]:
+        src = self._transport_source
+        if src is None:
+            transport = new_nixl_transport(self.config, self.role, self.layout.tp_rank)
+        elif callable(src) and not hasattr(src, "post_write"):
+            transport = src()
+        else:
+            transport = src  # type: ignore[assignment]
+        transport.register(self.layout.regions, self.mem_type)
+        hello = make_hello(self.config.engine_id, self.role, transport.name, transport.metadata(),
+                           self.mem_type, self.layout)
+        return transport, hello
+
+    def tick_due(self, now: float) -> bool:
+        if now < self._next_tick:
+            return False
+        self._next_tick = now + self.config.idle_poll_s / 2
+        return True
+
+    def put_result(self, result: R) -> None:
+        self.results.put(result)
+        self.result_event.set()
+        listener = self.result_listener
+        if listener is None:
+            return
+        try:
+            listener()
+        except Exception:  # noqa: BLE001 - a broken listener must not take the transfer thread down
+            log.exception("kvpush: result listener failed")
+
+    def decode_or_count(self, data: bytes | None, origin: str) -> Message | None:
+        """Decode one message; a bad one is counted and logged, never raised into the loop."""
+        try:
+            if data is None:
+                raise WireError("malformed frame (wrong number of parts or over the size limit)")
+            return self.codec.decode(data)
+        except WireError as exc:
+            self.ledger.add("wire_errors")
+            log.warning("kvpush: dropped a message from %s: %s", origin, exc)
+            return None
+
+
+class Endpoint(Generic[R]):
+    """The engine-facing half: lifecycle, results, stats. Every call returns at once."""
+
+    def __init__(self, config: KVPushConfig, layout: KVLayout, worker: EndpointWorker[R]) -> None:
+        if not layout.regions:
+            raise LayoutError(f"{type(self).__name__} needs a layout placed in memory (regions and planes)")
+        self.config = config
+        self.layout = layout
+        self._worker: EndpointWorker[R] = worker
+
+    def start(self) -> None:
+        self._worker.start()
+
+    def __enter__(self) -> Any:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the transfer thread. Live requests are reported as failed; finished() hands them out,
+        then raises EndpointClosed."""
+        self._worker.stop()
+
+    @property
+    def closed(self) -> bool:
+        return self._worker.closed or self._worker.fatal is not None
+
+    def set_result_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener()` (on the transfer thread, so it must be quick and must not block) whenever a
+        result becomes available to `finished()`. An engine that sleeps while it has nothing to compute
+        uses it to wake up as soon as a transfer settles instead of polling."""
+        self._worker.result_listener = listener
+
+    def finished(self) -> list[R]:
+        """Results since the last call. Once the endpoint is closed or its thread died, the results it
+        reported on the way down are still handed out; after that, EndpointClosed."""
+        self._worker.result_event.clear()
+        out = _drain(self._worker.results)
+        if not out:
+            self._worker.alive_or_raise()
+        return out
+
+    def wait_any(self, timeout: float) -> list[R]:
+        got = self.finished()
+        if got:
+            return got
+        self._worker.result_event.wait(timeout)
+        return self.finished()
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = self._worker.ledger.snapshot()
+        out["pending"] = self._worker.tracked()  # a racy read is fine for a gauge
+        return out
+
+    def pending(self) -> int:
+        """Requests the state machine still tracks (asked on the worker thread)."""
+        return int(self._worker.call(self._worker.tracked, self.config.handshake_timeout_s))
+
+
+def checked_blocks(layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+    """The caller's block table, or an error naming what is wrong (caught here, not on the wire).
+
+    """
+    if not request_id:
+        raise RequestError("request_id must be a non-empty string")
+    if num_tokens <= 0:
+        raise RequestError(f"{request_id}: num_tokens must be > 0, got {num_tokens}")
+    check_block_table(layout, block_ids, num_tokens, request_id)
+    return tuple(int(b) for b in block_ids)
+
+
+def _drain(q: queue.SimpleQueue[R]) -> list[R]:
+    out: list[R] = []
+    while True:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            return out

@@ -1,0 +1,256 @@
+"""The control plane: the side channel that carries handshakes, registrations, aborts and refusals.
+
+The contract is two small objects. A prefill rank *listens* (`ControlListener`: receive one message from
+some connection, answer that connection); a decode rank *connects* to each prefill rank it needs
+(`ControlChannel`: send, receive). Messages are opaque bytes (wire.Codec frames); the endpoint owns their
+meaning. Both objects expose `pollable`, something the endpoint's zmq.Poller can wait on (a ZeroMQ
+socket or a file descriptor), so one poll covers the doorbell, the side channel and nothing else.
+
+Two implementations: `ZmqControl` (ROUTER/DEALER over TCP; what deployments use) and `MemoryControl`
+(in-process queues with pipe doorbells; fast, deterministic tests without sockets). Neither raises
+anything but TransportError.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+from ..errors import TransportError
+
+Pollable = Any  # a zmq.Socket or an int file descriptor
+
+
+class ControlListener(Protocol):
+    """Prefill side: one bound address, many decode connections."""
+
+    host: str
+    port: int
+    pollable: Pollable
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        """(connection id, message) for the next message, (connection id, None) for a malformed frame,
+        or None when nothing is waiting. Never blocks."""
+        ...
+
+    def send(self, conn: bytes, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class ControlChannel(Protocol):
+    """Decode side: one connection to one prefill rank; messages arrive in the order they were sent."""
+
+    pollable: Pollable
+
+    def send(self, data: bytes) -> None: ...
+    def recv(self) -> bytes | None: ...
+    def close(self) -> None: ...
+
+
+class ControlPlane(Protocol):
+    def listen(self, host: str, port: int, max_message_bytes: int) -> ControlListener:
+        """Bind host:port (port 0: any free port; `.port` says which)."""
+        ...
+
+    def connect(self, host: str, port: int, max_message_bytes: int) -> ControlChannel: ...
+
+
+# ---- ZeroMQ ------------------------------------------------------------------------------------------
+class _ZmqListener:
+    def __init__(self, ctx: zmq.Context[Any], host: str, port: int, max_bytes: int) -> None:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        try:
+            if port:
+                sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise TransportError(f"side channel cannot listen on {host}:{port}: {exc}") from exc
+        self.sock, self.host, self.port, self.pollable = sock, host, port, sock
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        try:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if len(frames) != 2:
+            return (frames[0] if frames else b""), None
+        return frames[0], frames[1]
+
+    def send(self, conn: bytes, data: bytes) -> None:
+        try:
+            self.sock.send_multipart([conn, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"side channel reply failed: {exc}") from exc
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _ZmqChannel:
+    def __init__(self, ctx: zmq.Context[Any], host: str, port: int, max_bytes: int) -> None:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        sock.connect(f"tcp://{host}:{port}")
+        self.sock, self.pollable = sock, sock
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"side channel send failed: {exc}") from exc
+
+    def recv(self) -> bytes | None:
+        try:
+            return bytes(self.sock.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ZmqControl:
+    """ROUTER (prefill) / DEALER (decode) over TCP. Bind to 127.0.0.1 unless a deployment says otherwise."""
+
+    def __init__(self, ctx: zmq.Context[Any] | None = None) -> None:
+        self.ctx: zmq.Context[Any] = ctx if ctx is not None else zmq.Context.instance()
+
+    def listen(self, host: str, port: int, max_message_bytes: int) -> _ZmqListener:
+        return _ZmqListener(self.ctx, host, port, max_message_bytes)
+
+    def connect(self, host: str, port: int, max_message_bytes: int) -> _ZmqChannel:
+        return _ZmqChannel(self.ctx, host, port, max_message_bytes)
+
+
+# ---- in memory ---------------------------------------------------------------------------------------
+class _Bell:
+    """A pipe whose read end is pollable: readable while its owner's inbox holds something."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def ring(self) -> None:
+        try:
+            os.write(self.write_fd, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@dataclass
+class _Inbox:
+    items: deque[Any] = field(default_factory=deque)
+    bell: _Bell = field(default_factory=_Bell)
+    closed: bool = False
+
+    def put(self, item: Any, lock: threading.Lock) -> None:
+        with lock:
+            if self.closed:
+                raise TransportError("side channel peer is closed")
+            self.items.append(item)
+        self.bell.ring()
+
+    def get(self, lock: threading.Lock) -> Any:
+        with lock:
+            if not self.items:
+                self.bell.clear()
+                return None
+            return self.items.popleft()
+
+
+class _MemoryListener:
+    def __init__(self, plane: MemoryControl, host: str, port: int, max_bytes: int) -> None:
+        self.plane, self.host, self.port, self.max_bytes = plane, host, port, max_bytes
+        self.inbox = _Inbox()
+        self.pollable = self.inbox.bell.read_fd
+        self.conns: dict[bytes, _MemoryChannel] = {}
+
+    def recv(self) -> tuple[bytes, bytes | None] | None:
+        item: tuple[bytes, bytes] | None = self.inbox.get(self.plane.lock)
+        if item is None:
+            return None
+        conn, data = item
+        return conn, (data if len(data) <= self.max_bytes else None)
+
+    def send(self, conn: bytes, data: bytes) -> None:
+        chan = self.conns.get(conn)
+        if chan is None:
+            raise TransportError(f"side channel reply to unknown connection {conn!r}")
+        chan.inbox.put(data, self.plane.lock)
+
+    def close(self) -> None:
+        self.inbox.closed = True
+        self.plane.listeners.pop((self.host, self.port), None)
+        self.inbox.bell.close()
+
+
+class _MemoryChannel:
+    def __init__(self, plane: MemoryControl, host: str, port: int, conn: bytes) -> None:
+        self.plane, self.address, self.conn = plane, (host, port), conn
+        self.inbox = _Inbox()
+        self.pollable = self.inbox.bell.read_fd
+
+    def send(self, data: bytes) -> None:
+        listener = self.plane.listeners.get(self.address)
+        if listener is None:
+            return  # like TCP to a closed port: nobody answers, the endpoint's timeouts decide
+        listener.conns[self.conn] = self
+        listener.inbox.put((self.conn, data), self.plane.lock)
+
+    def recv(self) -> bytes | None:
+        data: bytes | None = self.inbox.get(self.plane.lock)
+        return data
+
+    def close(self) -> None:
+        self.inbox.closed = True
+        self.inbox.bell.close()
+
+
+class MemoryControl:
+    """An in-process control plane: listeners keyed by (host, port), one inbox per connection."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.listeners: dict[tuple[str, int], _MemoryListener] = {}
+        self._ports = itertools.count(41000)
+        self._conns = itertools.count(1)
+
+    def listen(self, host: str, port: int, max_message_bytes: int) -> _MemoryListener:
+        with self.lock:
+            if not port:
+                port = next(p for p in self._ports if (host, p) not in self.listeners)
+            if (host, port) in self.listeners:
+                raise TransportError(f"side channel cannot listen on {host}:{port}: address in use")
+            listener = self.listeners[(host, port)] = _MemoryListener(self, host, port, max_message_bytes)
+        return listener
+
+    def connect(self, host: str, port: int, max_message_bytes: int) -> _MemoryChannel:
+        with self.lock:
+            conn = f"conn-{next(self._conns)}".encode()
+        return _MemoryChannel(self, host, port, conn)

@@ -1,0 +1,206 @@
+"""The transfer thread: one per endpoint, the only code in kvpush that runs on a thread of its own.
+
+Engine-facing calls put a command on a queue and ring a doorbell (a pipe), then return. The thread owns
+everything else: it reads the side channel, feeds the sans-IO state machines, posts WRITEs and drives them
+to completion itself (so decode-ready never waits for the engine's next step), drains NIXL notifications,
+and ticks the clock. While work is in flight it sleeps `busy_poll_s` between rounds; when idle it blocks on
+the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint costs almost no CPU.
+
+Death is sticky: if the thread's loop raises, `fatal` holds the exception, the subclass's teardown still
+runs (it fails what is live), and every later engine-facing call raises EndpointClosed from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ..config import KVPushConfig
+from ..errors import EndpointClosed
+
+log = logging.getLogger("kvpush")
+
+
+class Doorbell:
+    """Wakes a worker blocked in zmq.Poller from any thread (a pipe is safe to write from anywhere)."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+
+    def ring(self) -> None:
+        try:
+            os.write(self.write_fd, b"x")
+        except BlockingIOError:
+            pass  # already ringing
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+class Worker:
+    """A thread that runs `step()` until stopped; subclasses own the transport and the state machine."""
+
+    name = "kvpush-worker"
+
+    def __init__(self, config: KVPushConfig) -> None:
+        self.config = config
+        self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.doorbell = Doorbell()
+        self.poller = zmq.Poller()
+        self.poller.register(self.doorbell.read_fd, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        self.fatal: BaseException | None = None
+        self.closed = False
+        self._doorbell_closed = False
+
+    # lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self.closed = True
+            raise self._start_error
+
+    def stop(self) -> None:
+        """Stop the thread (it tears its transport down), then close the doorbell; idempotent.
+
+        The doorbell is closed only once the thread has ended: it polls that pipe until its last round.
+        """
+        self.closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread.is_alive():
+            self.doorbell.ring()
+            self._thread.join(timeout=30)
+            if self._thread.is_alive():
+                log.error("kvpush worker %s did not stop within 30 s; leaving its doorbell open", self.name)
+                return
+        if not self._doorbell_closed:
+            self._doorbell_closed = True
+            self.doorbell.close()
+
+    def alive_or_raise(self) -> None:
+        """Raise EndpointClosed (from the thread's fatal error, if any) once the endpoint cannot work."""
+        if self.fatal is not None:
+            raise EndpointClosed(f"kvpush {self.name} thread died: {self.fatal!r}") from self.fatal
+        if self.closed:
+            raise EndpointClosed(f"kvpush {self.name} endpoint is closed")
+        if self._thread is None:
+            raise EndpointClosed(f"kvpush {self.name} endpoint was never started (call start())")
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.alive_or_raise()
+        self.commands.put(fn)
+        self.doorbell.ring()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run fn on the worker thread and wait for its result (start-up and tests only)."""
+        box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                box.put((True, fn()))
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller as is
+                box.put((False, exc))
+
+        self.submit(run)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ok, value = box.get(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+                break
+            except queue.Empty:
+                self.alive_or_raise()  # the thread died (or closed) while we waited
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"kvpush worker did not answer within {timeout}s") from None
+        if not ok:
+            raise value
+        return value
+
+    # subclass hooks -----------------------------------------------------------------------------
+    def setup(self) -> None: ...
+    def teardown(self) -> None: ...
+    def step(self, now: float) -> bool:
+        """One round of I/O; True if anything happened (keeps the loop in busy mode)."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """True while transfers are in flight or expected: poll fast."""
+        raise NotImplementedError
+
+    def tracked(self) -> int:
+        """Requests the worker's state machine still tracks (leases and timeouts need ticks)."""
+        return 0
+
+    def idle_wait_ms(self) -> int:
+        """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
+        timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
+        return max(1, int(self.config.idle_poll_s * (1000 if self.tracked() else 5000)))
+
+    # loop ---------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.setup()
+        except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - sticky: every later engine call raises EndpointClosed
+            self.fatal = exc
+            log.exception("kvpush worker %s died", self.name)
+        finally:
+            try:
+                self.teardown()
+            except Exception:  # noqa: BLE001 - the thread is ending; what failed is logged, not lost
+                log.exception("kvpush worker %s: teardown failed", self.name)
+
+    def _loop(self) -> None:
+        fast, slowest = self.config.busy_poll_s, self.config.max_busy_poll_s
+        nap = fast
+        while not self._stop.is_set():
+            while True:
+                try:
+                    cmd = self.commands.get_nowait()
+                except queue.Empty:
+                    break
+                cmd()
+                nap = fast
+            if self.step(time.monotonic()):
+                nap = fast
+                continue
+            if self.busy():
+                # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
+                # so that a doorbell (new work) or a side-channel message cuts the nap short
+                if nap >= 1e-3:
+                    self.poller.poll(int(nap * 1000))
+                    self.doorbell.clear()
+                else:
+                    time.sleep(nap)
+                nap = min(nap * 2, slowest)
+            else:
+                self.poller.poll(self.idle_wait_ms())
+                self.doorbell.clear()
+                nap = fast

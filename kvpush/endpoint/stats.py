@@ -1,0 +1,69 @@
+"""One stats ledger per endpoint: plain counters for stats(), mirrored into Prometheus as they change.
+
+Prometheus collectors are process-wide (every endpoint in a process shares them, told apart by labels);
+the ledger is the only code that touches them, so a counter cannot be defined and then forgotten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LABELS = ("role", "engine_id", "rank")
+
+BYTES = Counter("kvpush_bytes_total", "KV bytes pushed (prefill) or received (decode)", LABELS)
+DESCRIPTORS = Counter("kvpush_descriptors_total", "Transfer descriptors posted", LABELS)
+BLOCKS = Counter("kvpush_blocks_total", "Source blocks covered by posted transfers", LABELS)
+WRITES = Counter("kvpush_writes_total", "WRITEs posted", LABELS)
+REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", LABELS + ("outcome",))
+WIRE_ERRORS = Counter("kvpush_wire_errors_total", "Messages refused at decoding or matching", LABELS)
+DISCARDED = Counter("kvpush_discarded_total", "Messages that matched nothing live (late or stale)", LABELS)
+PENDING = Gauge("kvpush_pending_requests", "Requests the endpoint's state machine tracks", LABELS)
+READY_LATENCY = Histogram("kvpush_transfer_seconds", "prefill_done -> all WRITEs complete (prefill side)",
+                          LABELS, buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+
+_MIRROR = {"bytes": BYTES, "descriptors": DESCRIPTORS, "blocks": BLOCKS, "writes": WRITES,
+           "wire_errors": WIRE_ERRORS, "discarded": DISCARDED}
+
+
+@dataclass
+class Counters:
+    """What stats() reports; each field that has a Prometheus twin is mirrored by Ledger.add."""
+
+    bytes: int = 0
+    descriptors: int = 0
+    blocks: int = 0
+    writes: int = 0
+    ok: int = 0
+    failed: int = 0
+    wire_errors: int = 0
+    discarded: int = 0
+    registration_first: int = 0
+    prefill_first: int = 0
+
+
+class Ledger:
+    """Counters of one endpoint, written only by its transfer thread (reads from others are racy gauges)."""
+
+    def __init__(self, role: str, engine_id: str, rank: int) -> None:
+        self.labels = (role, engine_id, str(rank))
+        self.counters = Counters()
+
+    def add(self, name: str, n: int = 1) -> None:
+        setattr(self.counters, name, getattr(self.counters, name) + n)
+        metric = _MIRROR.get(name)
+        if metric is not None:
+            metric.labels(*self.labels).inc(n)
+
+    def finished(self, ok: bool, latency_s: float | None = None) -> None:
+        self.add("ok" if ok else "failed")
+        REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
+        if ok and latency_s is not None:
+            READY_LATENCY.labels(*self.labels).observe(latency_s)
+
+    def pending(self, n: int) -> None:
+        PENDING.labels(*self.labels).set(n)
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: int(getattr(self.counters, f.name)) for f in fields(self.counters)}

@@ -1,0 +1,228 @@
+"""The KV geometry of one engine rank, and block -> byte-address arithmetic.
+
+A rank's KV cache is a set of *planes*, one per (layer, K|V) (one per layer for MLA-style caches).
+Every plane has the same shape: `num_blocks` blocks, `block_stride` bytes apart, each holding
+`block_size` tokens x `num_kv_heads` heads x `head_dim` elements, arranged token-major ("NHD") or
+head-major ("HND"). A plane starts at `offset` inside one registered memory region. This covers one
+tensor per plane, vLLM's per-layer [2, blocks, ...] tensors and the [blocks, 2, ...] interleaved form
+(there `block_stride` is twice the block's bytes and V starts one block-half in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, TypeVar
+
+from ..errors import LayoutError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+TokenOrder = Literal["NHD", "HND"]
+IntOrArray = TypeVar("IntOrArray", int, "npt.NDArray[np.int64]")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered memory region: where it is and on which device (0 for host DRAM)."""
+
+    addr: int
+    nbytes: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One (layer, kv) slice of the cache: `offset` bytes into region `region`."""
+
+    layer: int
+    kv: int
+    region: int
+    offset: int
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold num_tokens tokens (the one ceil-div in kvpush)."""
+    return -(-num_tokens // block_size)
+
+
+def inner_offset(token_order: str, token_in_block: IntOrArray, local_head: IntOrArray, block_size: int,
+                 num_kv_heads: int, unit_bytes: int) -> IntOrArray:
+    """Byte offset of (token, head) inside a block; works on ints and on numpy arrays alike."""
+    if token_order == "NHD":
+        return (token_in_block * num_kv_heads + local_head) * unit_bytes
+    return (local_head * block_size + token_in_block) * unit_bytes
+
+
+def heads_of_rank(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
+    """Global KV-head range [lo, hi) held by a TP rank.
+
+    With more ranks than KV heads, heads are replicated: ranks r*rep .. r*rep+rep-1 share head r.
+    """
+    if tp_size <= 0 or total_kv_heads <= 0 or not (0 <= tp_rank < tp_size):
+        raise LayoutError(f"bad TP rank {tp_rank} of {tp_size} with {total_kv_heads} KV heads")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise LayoutError(f"{total_kv_heads} KV heads do not divide over TP {tp_size}")
+        per = total_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    if tp_size % total_kv_heads:
+        raise LayoutError(f"TP {tp_size} is not a multiple of {total_kv_heads} KV heads")
+    head = tp_rank // (tp_size // total_kv_heads)
+    return head, head + 1
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one rank's KV cache. Pure data: no allocation, no I/O."""
+
+    num_layers: int
+    block_size: int
+    num_blocks: int
+    total_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_per_layer: int = 2
+    token_order: TokenOrder = "NHD"
+    block_stride: int = 0  # 0: blocks are packed (stride = block_bytes)
+    regions: tuple[Region, ...] = ()
+    planes: tuple[Plane, ...] = ()
+    model_tag: str = ""  # anything else that must match across sides (model name, dtype name)
+    # The block's interior is opaque (vLLM's CPU kernels pack tokens in their own order): a plan may
+    # only move whole blocks, so both sides need the same block size and partial blocks move whole.
+    atomic_blocks: bool = False
+    _plane_index: dict[tuple[int, int], Plane] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_blocks", "total_kv_heads", "head_dim", "dtype_size",
+                     "tp_size", "kv_per_layer"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"layout {name} must be > 0, got {getattr(self, name)}")
+        if self.token_order not in ("NHD", "HND"):
+            raise LayoutError(f"token_order must be 'NHD' or 'HND', got {self.token_order!r}")
+        heads_of_rank(self.tp_rank, self.tp_size, self.total_kv_heads)
+        if self.block_stride == 0:
+            object.__setattr__(self, "block_stride", self.block_bytes)
+        if self.block_stride < self.block_bytes:
+            raise LayoutError(f"block_stride {self.block_stride} < block bytes {self.block_bytes}")
+        index = {(p.layer, p.kv): p for p in self.planes}
+        object.__setattr__(self, "_plane_index", index)
+        if self.planes:
+            want = {(lyr, kv) for lyr in range(self.num_layers) for kv in range(self.kv_per_layer)}
+            if set(index) != want or len(index) != len(self.planes):
+                raise LayoutError("planes must name each (layer, kv) exactly once")
+            plane_span = (self.num_blocks - 1) * self.block_stride + self.block_bytes
+            for p in self.planes:
+                if not (0 <= p.region < len(self.regions)):
+                    raise LayoutError(f"plane {p} names region {p.region}; there are {len(self.regions)}")
+                if p.offset < 0 or p.offset + plane_span > self.regions[p.region].nbytes:
+                    raise LayoutError(f"plane (layer {p.layer}, kv {p.kv}) overruns region {p.region}")
+
+    # ---- derived geometry -------------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """Global head range [lo, hi) this rank holds."""
+        return heads_of_rank(self.tp_rank, self.tp_size, self.total_kv_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        lo, hi = self.kv_heads
+        return hi - lo
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one (token, head): the smallest piece that is always contiguous."""
+        return self.head_dim * self.dtype_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.unit_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies on this rank, across all layers."""
+        return self.num_layers * self.kv_per_layer * self.num_kv_heads * self.unit_bytes
+
+    def tokens_to_move(self, num_tokens: int) -> int:
+        """Tokens a transfer covers: the prompt, or whole blocks when the block interior is opaque."""
+        if not self.atomic_blocks:
+            return num_tokens
+        return blocks_for(num_tokens, self.block_size) * self.block_size
+
+    def plane(self, layer: int, kv: int) -> Plane:
+        try:
+            return self._plane_index[(layer, kv)]
+        except KeyError:
+            raise LayoutError(f"layout has no plane for layer {layer}, kv {kv}") from None
+
+    def unit_offset(self, token_in_block: int, local_head: int) -> int:
+        """Byte offset of (token, head) inside a block."""
+        return inner_offset(self.token_order, token_in_block, local_head, self.block_size, self.num_kv_heads,
+                            self.unit_bytes)
+
+    def address(self, layer: int, kv: int, block_id: int, token_in_block: int, local_head: int) -> int:
+        """Absolute address of one (token, head) unit."""
+        p = self.plane(layer, kv)
+        return (self.regions[p.region].addr + p.offset + block_id * self.block_stride
+                + self.unit_offset(token_in_block, local_head))
+
+    def compat_hash(self) -> str:
+        """What must be equal on both sides for KV to be exchangeable (block size and TP may differ)."""
+        key = (f"v1|layers={self.num_layers}|kv={self.kv_per_layer}|heads={self.total_kv_heads}"
+               f"|dim={self.head_dim}|dtype={self.dtype_size}|order={self.token_order}|tag={self.model_tag}"
+               + (f"|atomic-blocks={self.block_size}" if self.atomic_blocks else ""))
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+    def with_memory(self, regions: tuple[Region, ...], planes: tuple[Plane, ...]) -> KVLayout:
+        """The same geometry placed in concrete memory."""
+        return KVLayout(self.num_layers, self.block_size, self.num_blocks, self.total_kv_heads,
+                        self.head_dim, self.dtype_size, self.tp_rank, self.tp_size, self.kv_per_layer,
+                        self.token_order, self.block_stride, regions, planes, self.model_tag,
+                        atomic_blocks=self.atomic_blocks)
+
+
+def check_block_table(layout: KVLayout, block_ids: Sequence[int], num_tokens: int, who: str) -> tuple[int, ...]:
+    """The first blocks that hold num_tokens tokens, or LayoutError naming what is wrong (the one check of a
+    block table: the engine calls run it at once, the planner again on what peers send)."""
+    blocks = tuple(int(b) for b in block_ids)
+    needed = blocks_for(num_tokens, layout.block_size)
+    if len(blocks) < needed:
+        raise LayoutError(f"{who}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
+                          f"{num_tokens} tokens ({needed} needed)")
+    bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
+    if bad:
+        raise LayoutError(f"{who}: block ids {bad[:5]} outside 0..{layout.num_blocks - 1}")
+    head = blocks[:needed]
+    if len(set(head)) != needed:
+        raise LayoutError(f"{who}: block table repeats a block id")
+    return head
+
+
+def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLayout:
+    """Place every plane back to back in one region starting at base_addr (a host buffer, say)."""
+    plane_bytes = layout.num_blocks * layout.block_stride
+    planes = tuple(Plane(layer, kv, 0, (layer * layout.kv_per_layer + kv) * plane_bytes)
+                   for layer in range(layout.num_layers) for kv in range(layout.kv_per_layer))
+    region = Region(base_addr, plane_bytes * layout.num_layers * layout.kv_per_layer, device_id)
+    return layout.with_memory((region,), planes)
+
+
+def check_compatible(src: KVLayout, dst: KVLayout) -> None:
+    """Raise LayoutError naming the first difference that makes src -> dst impossible."""
+    for name in ("num_layers", "kv_per_layer", "total_kv_heads", "head_dim", "dtype_size", "token_order",
+                 "model_tag", "atomic_blocks"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            raise LayoutError(f"layout mismatch: prefill {name}={a!r} but decode {name}={b!r}")
+    if src.atomic_blocks and src.block_size != dst.block_size:
+        raise LayoutError(f"layout mismatch: blocks are opaque (moved whole) but prefill block_size="
+                          f"{src.block_size} and decode block_size={dst.block_size}; use the same block size")
+    big, small = max(src.block_size, dst.block_size), min(src.block_size, dst.block_size)
+    if big % small:
+        raise LayoutError(
+            f"block sizes {src.block_size} (prefill) and {dst.block_size} (decode): one must divide the other")

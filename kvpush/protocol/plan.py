@@ -1,0 +1,160 @@
+"""TransferPlan: which source bytes go to which destination bytes, as few descriptors as possible.
+
+The plan is computed with numpy on plane-relative offsets once (every plane of a layout has the same
+shape), replicated over the planes, then merged: the descriptors are exactly the maximal runs that are
+contiguous on both sides within one layer and one pair of memory regions. Keeping descriptors per layer
+lets a caller post layer by layer while prefill still computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LayoutError
+from .layout import KVLayout, blocks_for, check_block_table, check_compatible, inner_offset
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    src_addr: I64
+    dst_addr: I64
+    length: I64
+    layer: I64
+    src_dev: I64
+    dst_dev: I64
+    num_tokens: int
+    num_blocks: int  # source blocks covered (for "descriptors vs blocks" reporting)
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    def layer_slices(self) -> dict[int, slice]:
+        """layer -> slice of the descriptor arrays (descriptors are grouped by layer)."""
+        out: dict[int, slice] = {}
+        if self.num_descriptors == 0:
+            return out
+        change = np.flatnonzero(np.diff(self.layer)) + 1
+        starts = np.concatenate(([0], change))
+        ends = np.concatenate((change, [self.num_descriptors]))
+        for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+            out[int(self.layer[s])] = slice(s, e)
+        return out
+
+    def nixl_descs(self, part: slice = slice(None)) -> tuple[I64, I64]:
+        """(src Nx3, dst Nx3) arrays of (addr, len, device) as NIXL's prep/xfer lists take them."""
+        src = np.stack((self.src_addr[part], self.length[part], self.src_dev[part]), axis=1)
+        dst = np.stack((self.dst_addr[part], self.length[part], self.dst_dev[part]), axis=1)
+        return np.ascontiguousarray(src), np.ascontiguousarray(dst)
+
+
+def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
+                   heads: tuple[int, int]) -> tuple[I64, I64, I64]:
+    """Plane-relative (src offset, dst offset, length) pieces, before merging."""
+    g0, g1 = heads
+    s_lo, d_lo = src.kv_heads[0], dst.kv_heads[0]
+    unit = src.unit_bytes
+    full = (g1 - g0) == src.num_kv_heads == dst.num_kv_heads
+    if src.token_order == "NHD" and not full:
+        tok = np.arange(n, dtype=np.int64)  # one piece per token: the head slice of that token
+        head = np.full_like(tok, g0)
+        length = np.full_like(tok, (g1 - g0) * unit)
+    else:
+        chunk = min(src.block_size, dst.block_size)
+        starts = np.arange(0, n, chunk, dtype=np.int64)
+        counts = np.minimum(chunk, n - starts)
+        if src.token_order == "NHD":  # full heads: a token run is contiguous on both sides
+            tok, head = starts, np.full_like(starts, g0)
+            length = counts * (g1 - g0) * unit
+        else:  # HND: per head, a token run inside a block is contiguous
+            nh = g1 - g0
+            tok = np.repeat(starts, nh)
+            head = np.tile(np.arange(g0, g1, dtype=np.int64), starts.shape[0])
+            length = np.repeat(counts, nh) * unit
+
+    def offsets(layout: KVLayout, table: I64, lo: int) -> I64:
+        blk = table[tok // layout.block_size]
+        t_in = tok % layout.block_size
+        inner = inner_offset(layout.token_order, t_in, head - lo, layout.block_size, layout.num_kv_heads, unit)
+        return blk * layout.block_stride + inner
+
+    return offsets(src, s_tab, s_lo), offsets(dst, d_tab, d_lo), length
+
+
+def _runs(src: I64, dst: I64, length: I64, group: I64) -> tuple[I64, I64]:
+    """For pieces sorted by (group, src): index of each maximal run's first piece, and the run's length."""
+    if src.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    cont = np.zeros(src.shape[0], dtype=bool)
+    cont[1:] = ((src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
+                & (group[1:] == group[:-1]))
+    starts = np.flatnonzero(~cont)
+    return starts, np.add.reduceat(length, starts)
+
+
+def build_plan(src: KVLayout, dst: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
+               num_tokens: int, layers: range | None = None,
+               heads: tuple[int, int] | None = None) -> TransferPlan:
+    """Map the first `num_tokens` tokens of src's blocks onto dst's blocks.
+
+    `heads` is the global KV-head range to move (default: every head both ranks hold; see kvpush.protocol.tp).
+    Both layouts must carry memory (regions and planes).
+    """
+    check_compatible(src, dst)
+    if num_tokens <= 0:
+        raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
+    if not src.planes or not dst.planes:
+        raise LayoutError("both layouts must be placed in memory (regions and planes) to plan a transfer")
+    if heads is None:
+        heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
+    g0, g1 = heads
+    if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
+        raise LayoutError(f"heads {heads} are not held by both prefill rank {src.kv_heads} "
+                          f"and decode rank {dst.kv_heads}")
+    layers = range(src.num_layers) if layers is None else layers
+    if layers and (layers.start < 0 or layers.stop > src.num_layers):
+        raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
+    num_tokens = src.tokens_to_move(num_tokens)  # whole blocks when the block interior is opaque
+    n_src = blocks_for(num_tokens, src.block_size)
+    s_tab = np.asarray(check_block_table(src, src_blocks, num_tokens, "prefill"), dtype=np.int64)
+    d_tab = np.asarray(check_block_table(dst, dst_blocks, num_tokens, "decode"), dtype=np.int64)
+
+    s_off, d_off, length = _plane_pattern(src, dst, s_tab, d_tab, num_tokens, (g0, g1))
+    order = np.argsort(s_off, kind="stable")
+    s_off, d_off, length = s_off[order], d_off[order], length[order]
+    starts, length = _runs(s_off, d_off, length, np.zeros_like(s_off))
+    s_off, d_off = s_off[starts], d_off[starts]
+
+    planes = [(layer, kv) for layer in layers for kv in range(src.kv_per_layer)]
+    n_src_regions, n_dst_regions = len(src.regions), len(dst.regions)
+    s_base, d_base, s_dev, d_dev, group = (np.empty(len(planes), dtype=np.int64) for _ in range(5))
+    for i, (layer, kv) in enumerate(planes):
+        sp, dp = src.plane(layer, kv), dst.plane(layer, kv)
+        s_base[i] = src.regions[sp.region].addr + sp.offset
+        d_base[i] = dst.regions[dp.region].addr + dp.offset
+        s_dev[i] = src.regions[sp.region].device_id
+        d_dev[i] = dst.regions[dp.region].device_id
+        # runs may merge across the planes of one layer, never across layers or memory regions
+        group[i] = (layer * n_src_regions + sp.region) * n_dst_regions + dp.region
+    m = s_off.shape[0]
+    a_src = (s_base[:, None] + s_off[None, :]).ravel()
+    a_dst = (d_base[:, None] + d_off[None, :]).ravel()
+    a_len = np.tile(length, len(planes))
+    a_grp = np.repeat(group, m)
+    order = np.lexsort((a_src, a_grp))
+    a_src, a_dst, a_len, a_grp = a_src[order], a_dst[order], a_len[order], a_grp[order]
+    starts, run_len = _runs(a_src, a_dst, a_len, a_grp)
+    plane_of = order[starts] // max(m, 1)
+    layer_of = a_grp[starts] // (n_src_regions * n_dst_regions)
+    return TransferPlan(a_src[starts], a_dst[starts], run_len, layer_of, s_dev[plane_of], d_dev[plane_of],
+                        num_tokens, n_src)

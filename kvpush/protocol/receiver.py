@@ -1,0 +1,255 @@
+"""ReceiverState: one decode rank's side of the push protocol, sans-IO.
+
+`expect` reserves nothing itself (the engine already allocated the blocks); it returns the registrations
+to send, one per prefill rank that owes this rank KV. Notifications are counted per expected sender; the
+request is Ready only when every one has arrived. Every attempt ends in exactly one of Ready or Failed, and
+a Failed attempt is reported only once no WRITE into its blocks can still be in flight (or its deadline
+passed), so the engine may reuse the blocks at that moment.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..errors import LocalProtocolError
+from .tp import senders_for
+from .wire import Abort, Registration, TransferDone, TransferFailed
+
+
+@dataclass(frozen=True)
+class SendRegistration:
+    prefill_rank: int
+    message: Registration
+
+
+@dataclass(frozen=True)
+class SendAbort:
+    prefill_rank: int
+    message: Abort
+
+
+@dataclass(frozen=True)
+class Ready:
+    request_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    request_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Discarded:
+    """A message that matched nothing live (late, stale or unknown): dropped, with the reason."""
+
+    reason: str
+
+
+ReceiverAction = SendRegistration | SendAbort | Ready | Failed | Discarded
+
+
+class RecvPhase(enum.Enum):
+    WAITING = "waiting"
+    ENDING = "ending"  # failing/aborting/superseded: waits for senders to settle, then Failed
+
+
+class SenderRankState(enum.Enum):
+    """Where one prefill rank that owes this attempt KV stands."""
+
+    EXPECTED = "expected"  # its WRITE (and notification) may still come
+    DONE = "done"          # its notification arrived: its bytes landed
+    FAILED = "failed"      # it told us it will not write (or its WRITE failed)
+    GAVE_UP = "gave_up"    # the deadline passed without news; no WRITE of it is expected any more
+
+
+class RecvEvent(enum.Enum):
+    DONE = "done"          # TransferDone from this rank
+    FAILED = "failed"      # TransferFailed (or a refusal) from this rank
+    DEADLINE = "deadline"  # the attempt's deadline (or abort grace) passed
+
+
+class _Ignore:
+    def __repr__(self) -> str:
+        return "IGNORE"
+
+
+IGNORE = _Ignore()
+
+R, V = SenderRankState, RecvEvent
+RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | _Ignore] = {
+    (R.EXPECTED, V.DONE): R.DONE,
+    (R.EXPECTED, V.FAILED): R.FAILED,
+    (R.EXPECTED, V.DEADLINE): R.GAVE_UP,
+    (R.DONE, V.DONE): IGNORE,          # duplicate notification (discarded)
+    (R.DONE, V.FAILED): IGNORE,        # its bytes landed; the attempt still ends with the failure
+    (R.DONE, V.DEADLINE): IGNORE,
+    (R.FAILED, V.DONE): IGNORE,        # late done after a failure: discarded, the attempt already ends
+    (R.FAILED, V.FAILED): IGNORE,
+    (R.FAILED, V.DEADLINE): IGNORE,
+    (R.GAVE_UP, V.DONE): IGNORE,
+    (R.GAVE_UP, V.FAILED): IGNORE,
+    (R.GAVE_UP, V.DEADLINE): IGNORE,
+}
+del R, V
+
+
+def receiver_transition(state: SenderRankState, event: RecvEvent) -> SenderRankState:
+    """The next state, per RECEIVER_TRANSITIONS; a pair the table does not list is a LocalProtocolError."""
+    try:
+        nxt = RECEIVER_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise LocalProtocolError(f"receiver: event {event.value!r} is not allowed for a prefill rank in state "
+                                 f"{state.value!r}") from None
+    return state if isinstance(nxt, _Ignore) else nxt
+
+
+@dataclass
+class _Attempt:
+    request_id: str
+    attempt: int
+    block_ids: tuple[int, ...]
+    deadline: float
+    senders: dict[int, SenderRankState]  # owed prefill rank -> its state
+    phase: RecvPhase = RecvPhase.WAITING
+    reason: str = ""
+    nbytes: int = 0
+
+    def unsettled(self) -> list[int]:
+        return sorted(p for p, st in self.senders.items() if st is SenderRankState.EXPECTED)
+
+    def move(self, rank: int, event: RecvEvent) -> SenderRankState:
+        """Apply event to rank; returns the state before."""
+        before = self.senders[rank]
+        self.senders[rank] = receiver_transition(before, event)
+        return before
+
+
+class ReceiverState:
+    def __init__(self, engine_id: str, decode_rank: int, decode_tp: int, total_kv_heads: int,
+                 ready_timeout_s: float, abort_grace_s: float = 5.0) -> None:
+        self.engine_id = engine_id
+        self.rank = decode_rank
+        self.tp = decode_tp
+        self.total_kv_heads = total_kv_heads
+        self.ready_timeout_s = ready_timeout_s
+        self.abort_grace_s = abort_grace_s
+        self._live: dict[tuple[str, int], _Attempt] = {}
+        self._current: dict[str, int] = {}  # request -> newest attempt
+        self._next_attempt: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def tracks(self, request_id: str) -> bool:
+        """True while any attempt of request_id is still live (waiting or settling)."""
+        return any(rid == request_id for rid, _attempt in self._live)
+
+    def waiting(self) -> int:
+        return sum(1 for a in self._live.values() if a.phase is RecvPhase.WAITING)
+
+    def expect(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, prefill_tp: int,
+               now: float) -> list[ReceiverAction]:
+        """Blocks are allocated for request_id; register them with the prefill ranks that owe them."""
+        actions: list[ReceiverAction] = []
+        prev = self._current.get(request_id)
+        if prev is not None and (request_id, prev) in self._live:
+            actions += self._end(self._live[(request_id, prev)], "superseded by a newer attempt", now)
+        attempt = self._next_attempt.get(request_id, 0)
+        self._next_attempt[request_id] = attempt + 1
+        self._current[request_id] = attempt
+        senders = senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads)
+        att = _Attempt(request_id, attempt, block_ids, now + self.ready_timeout_s,
+                       dict.fromkeys(senders, SenderRankState.EXPECTED))
+        self._live[(request_id, attempt)] = att
+        reg = Registration(request_id=request_id, attempt=attempt, decode_engine_id=self.engine_id,
+                           decode_rank=self.rank, decode_tp=self.tp, block_ids=list(block_ids),
+                           num_tokens=num_tokens)
+        actions += [SendRegistration(p, reg) for p in sorted(senders)]
+        return actions + self._settle(att)
+
+    def on_done(self, msg: TransferDone, now: float) -> list[ReceiverAction]:
+        att = self._live.get((msg.request_id, msg.attempt))
+        if att is None:
+            return [Discarded(f"done for unknown request {msg.request_id!r} attempt {msg.attempt}")]
+        if msg.prefill_rank not in att.senders:
+            return [Discarded(f"done from prefill rank {msg.prefill_rank}, which owes {msg.request_id!r} nothing")]
+        if att.move(msg.prefill_rank, RecvEvent.DONE) is not SenderRankState.EXPECTED:
+            return [Discarded(f"duplicate done from prefill rank {msg.prefill_rank} for {msg.request_id!r}")]
+        att.nbytes += msg.nbytes
+        return self._settle(att)
+
+    def on_failed(self, msg: TransferFailed, now: float) -> list[ReceiverAction]:
+        att = self._live.get((msg.request_id, msg.attempt))
+        if att is None or msg.prefill_rank not in att.senders:
+            return [Discarded(f"failure for unknown request {msg.request_id!r} attempt {msg.attempt}: "
+                              f"{msg.reason}")]
+        att.move(msg.prefill_rank, RecvEvent.FAILED)
+        actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now)
+        return actions + self._settle(att)
+
+    def abort(self, request_id: str, reason: str, now: float) -> list[ReceiverAction]:
+        attempt = self._current.get(request_id)
+        att = self._live.get((request_id, attempt)) if attempt is not None else None
+        if att is None:
+            return [Discarded(f"abort of unknown request {request_id!r}")]
+        return self._end(att, reason, now) + self._settle(att)
+
+    def cancel(self, request_id: str, prefill_tp: int, reason: str, now: float) -> list[ReceiverAction]:
+        """Abort whether or not expect() ran. A request dropped before its blocks were allocated still
+        tells the prefill ranks that would have owed it, so prefill frees its blocks now, not at lease
+        expiry."""
+        if self.tracks(request_id):
+            return self.abort(request_id, reason, now)
+        msg = Abort(request_id=request_id, attempt=self._next_attempt.get(request_id, 0),
+                    decode_engine_id=self.engine_id, decode_rank=self.rank, reason=reason)
+        return [SendAbort(p, msg) for p in sorted(senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads))]
+
+    def on_tick(self, now: float) -> list[ReceiverAction]:
+        actions: list[ReceiverAction] = []
+        for att in list(self._live.values()):
+            if now < att.deadline:
+                continue
+            if att.phase is RecvPhase.WAITING:
+                missing = att.unsettled()
+                actions += self._end(att, f"timed out after {self.ready_timeout_s}s waiting for KV from "
+                                          f"prefill ranks {missing}", now)
+            # past the deadline (or the abort grace): no sender is still expected to write
+            for rank in list(att.senders):
+                att.move(rank, RecvEvent.DEADLINE)
+            actions += self._settle(att)
+        return actions
+
+    def close(self, reason: str) -> list[ReceiverAction]:
+        """The endpoint is going away and its memory is deregistered, so no WRITE can land any more:
+        every live attempt fails now, each exactly once."""
+        out: list[ReceiverAction] = [Failed(a.request_id, a.attempt, a.block_ids, a.reason or reason)
+                                     for a in self._live.values()]
+        self._live.clear()
+        self._current.clear()
+        return out
+
+    def _end(self, att: _Attempt, reason: str, now: float) -> list[ReceiverAction]:
+        if att.phase is RecvPhase.ENDING:
+            return []
+        att.phase, att.reason = RecvPhase.ENDING, reason
+        att.deadline = min(att.deadline, now + self.abort_grace_s)
+        msg = Abort(request_id=att.request_id, attempt=att.attempt, decode_engine_id=self.engine_id,
+                    decode_rank=self.rank, reason=reason)
+        return [SendAbort(p, msg) for p in att.unsettled()]
+
+    def _settle(self, att: _Attempt) -> list[ReceiverAction]:
+        if att.unsettled():
+            return []
+        del self._live[(att.request_id, att.attempt)]
+        if self._current.get(att.request_id) == att.attempt:
+            del self._current[att.request_id]
+        if att.phase is RecvPhase.WAITING:
+            return [Ready(att.request_id, att.attempt, att.block_ids, att.nbytes)]
+        return [Failed(att.request_id, att.attempt, att.block_ids, att.reason)]

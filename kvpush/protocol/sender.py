@@ -1,0 +1,375 @@
+"""SenderState: the prefill side of the push protocol, sans-IO.
+
+It takes events (a registration from a decode rank, prefill done, a WRITE's outcome, an abort, the clock)
+and returns actions (start a WRITE, tell a decode rank we will not write, release source blocks). It
+never touches a socket, a thread or NIXL, so every event order can be tested with a fake clock
+(tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py).
+
+Each decode rank this prefill rank owes KV to, within a request's current attempt, is in one named
+`RankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
+not list raises LocalProtocolError: a bug in the caller or here, never silently absorbed.
+
+Invariants:
+- the source blocks of every prefill_done are released exactly once, and never while a WRITE from them
+  may still be in flight;
+- only the newest attempt of a request is ever written; a superseded attempt's blocks are never touched;
+- duplicate registrations and duplicate prefill_done are idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..errors import LocalProtocolError
+from .tp import HeadRange, receivers_for, senders_for
+from .wire import Abort, Registration
+
+EventOrder = Literal["registration_first", "prefill_first"]
+
+
+@dataclass(frozen=True)
+class StartWrite:
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    decode_tp: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    num_tokens: int
+    heads: HeadRange
+    order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
+
+
+@dataclass(frozen=True)
+class NotifyFailure:
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleaseSource:
+    request_id: str
+    block_ids: tuple[int, ...]
+    ok: bool
+    nbytes: int
+    reason: str = ""
+
+
+SenderAction = StartWrite | NotifyFailure | ReleaseSource
+
+
+class SendPhase(enum.Enum):
+    OPEN = "open"      # collecting registrations / prefill done, writing
+    ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
+
+
+class RankState(enum.Enum):
+    """Where one owed decode rank stands in the current attempt."""
+
+    OWED = "owed"              # this prefill rank holds heads the decode rank needs; no registration yet
+    REGISTERED = "registered"  # its registration is here; waiting for prefill_done
+    WRITING = "writing"        # a WRITE into its blocks is in flight
+    DONE = "done"              # its WRITE completed
+    FAILED = "failed"          # it was told (or will be told) that we will not write
+
+
+class RankEvent(enum.Enum):
+    REGISTER = "register"      # a registration for this rank arrived
+    START = "start"            # registration and prefill_done are both here: post the WRITE
+    WRITE_OK = "write_ok"
+    WRITE_FAILED = "write_failed"
+    REFUSE = "refuse"          # the registration cannot be served (token count mismatch)
+    END = "end"                # the request is ending (abort, lease, another rank's failure)
+
+
+class _Ignore:
+    """Table marker: the event is allowed and changes nothing (a duplicate, or news that no longer matters)."""
+
+    def __repr__(self) -> str:
+        return "IGNORE"
+
+
+IGNORE = _Ignore()
+
+S, E = RankState, RankEvent
+SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | _Ignore] = {
+    (S.OWED, E.REGISTER): S.REGISTERED,
+    (S.OWED, E.END): S.FAILED,
+    (S.REGISTERED, E.REGISTER): IGNORE,       # duplicate registration
+    (S.REGISTERED, E.START): S.WRITING,
+    (S.REGISTERED, E.REFUSE): S.FAILED,
+    (S.REGISTERED, E.END): S.FAILED,
+    (S.WRITING, E.REGISTER): IGNORE,
+    (S.WRITING, E.WRITE_OK): S.DONE,
+    (S.WRITING, E.WRITE_FAILED): S.FAILED,
+    (S.WRITING, E.END): IGNORE,               # the WRITE in flight must settle before anything is freed
+    (S.DONE, E.REGISTER): IGNORE,
+    (S.DONE, E.END): IGNORE,
+    (S.FAILED, E.REGISTER): IGNORE,
+    (S.FAILED, E.END): IGNORE,
+}
+del S, E
+
+
+def sender_transition(state: RankState, event: RankEvent) -> RankState:
+    """The next state, per SENDER_TRANSITIONS; a pair the table does not list is a LocalProtocolError."""
+    try:
+        nxt = SENDER_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise LocalProtocolError(f"sender: event {event.value!r} is not allowed for a decode rank in state "
+                                 f"{state.value!r}") from None
+    return state if isinstance(nxt, _Ignore) else nxt
+
+
+@dataclass
+class _Rank:
+    heads: HeadRange
+    state: RankState = RankState.OWED
+    reg: Registration | None = None
+
+
+@dataclass
+class _Entry:
+    request_id: str
+    deadline: float
+    created_by: EventOrder
+    phase: SendPhase = SendPhase.OPEN
+    reason: str = ""
+    src_blocks: tuple[int, ...] | None = None
+    num_tokens: int = 0
+    attempt: int = -1
+    decode_engine_id: str = ""
+    decode_tp: int = 0
+    ranks: dict[int, _Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
+    stale_in_flight: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank) of superseded WRITEs
+    nbytes: int = 0
+
+    def writing(self) -> bool:
+        return bool(self.stale_in_flight) or any(r.state is RankState.WRITING for r in self.ranks.values())
+
+
+class SenderState:
+    """One prefill rank's view of every request it may push."""
+
+    def __init__(self, prefill_rank: int, prefill_tp: int, total_kv_heads: int, lease_s: float,
+                 tombstone_s: float) -> None:
+        self.rank = prefill_rank
+        self.tp = prefill_tp
+        self.total_kv_heads = total_kv_heads
+        self.lease_s = lease_s
+        self.tombstone_s = tombstone_s
+        self._entries: dict[str, _Entry] = {}
+        self._tombstones: dict[str, tuple[int, float]] = {}  # request -> (last attempt, expiry)
+
+    # ---- queries ----------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def pending(self) -> list[str]:
+        return list(self._entries)
+
+    def in_flight(self) -> int:
+        return sum(len(e.stale_in_flight) + sum(r.state is RankState.WRITING for r in e.ranks.values())
+                   for e in self._entries.values())
+
+    def rank_states(self, request_id: str) -> dict[int, RankState]:
+        """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
+        entry = self._entries.get(request_id)
+        return {} if entry is None else {d: r.state for d, r in entry.ranks.items()}
+
+    # ---- events -----------------------------------------------------------------------------------
+    def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
+        fail = self._refuse_registration(reg)
+        if fail:
+            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
+        tomb = self._tombstones.get(reg.request_id)
+        entry = self._entries.get(reg.request_id)
+        if entry is None and tomb is not None:
+            if reg.attempt <= tomb[0]:
+                return []  # a late duplicate of something already finished
+            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
+                                  "source KV already released (request finished on prefill)")]
+        if entry is None:
+            entry = self._entries[reg.request_id] = _Entry(reg.request_id, now + self.lease_s,
+                                                           created_by="registration_first")
+        if entry.phase is SendPhase.ENDING:
+            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
+                                  entry.reason)]
+        if reg.attempt < entry.attempt:
+            return []  # superseded by a newer attempt: never written
+        if reg.attempt > entry.attempt:
+            self._new_attempt(entry, reg.attempt, reg.decode_engine_id, reg.decode_tp,
+                              receivers_for(self.rank, self.tp, reg.decode_tp, self.total_kv_heads))
+            entry.deadline = now + self.lease_s
+        rank = entry.ranks.get(reg.decode_rank)
+        if rank is None or reg.decode_tp != entry.decode_tp:
+            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
+                                  f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
+                                  f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")]
+        if rank.state is RankState.OWED:
+            rank.reg = reg
+        self._move(rank, RankEvent.REGISTER)
+        return self._advance(entry)
+
+    def on_prefill_done(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int,
+                        now: float) -> list[SenderAction]:
+        if request_id in self._tombstones and request_id not in self._entries:
+            return [ReleaseSource(request_id, block_ids, False, 0,
+                                  "request already finished or aborted on prefill")]
+        entry = self._entries.get(request_id)
+        if entry is None:
+            entry = self._entries[request_id] = _Entry(request_id, now + self.lease_s, created_by="prefill_first")
+        if entry.src_blocks is not None:
+            return [ReleaseSource(request_id, block_ids, False, 0, "duplicate prefill_done: kept the first")]
+        entry.src_blocks, entry.num_tokens = block_ids, num_tokens
+        if entry.phase is SendPhase.OPEN:
+            entry.deadline = now + self.lease_s
+        return self._advance(entry)
+
+    def on_write_done(self, request_id: str, attempt: int, decode_rank: int, ok: bool, nbytes: int,
+                      reason: str, now: float) -> list[SenderAction]:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return []
+        if (attempt, decode_rank) in entry.stale_in_flight:
+            entry.stale_in_flight.discard((attempt, decode_rank))  # a superseded attempt's WRITE settled
+            return self._advance(entry)
+        rank = entry.ranks.get(decode_rank)
+        if attempt != entry.attempt or rank is None or rank.state is not RankState.WRITING:
+            return []  # not a WRITE this machine started: the edge reported something twice
+        actions: list[SenderAction] = []
+        if ok:
+            self._move(rank, RankEvent.WRITE_OK)
+            entry.nbytes += nbytes
+        else:
+            self._move(rank, RankEvent.WRITE_FAILED)
+            actions.append(NotifyFailure(request_id, attempt, entry.decode_engine_id, decode_rank,
+                                         f"WRITE failed: {reason}"))
+            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}")
+        return actions + self._advance(entry)
+
+    def abort(self, request_id: str, reason: str, now: float) -> list[SenderAction]:
+        entry = self._entries.get(request_id)
+        if entry is None:
+            self._tombstones.setdefault(request_id, (-1, now + self.tombstone_s))
+            return []
+        return self._end(entry, reason) + self._advance(entry)
+
+    def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
+        """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
+        reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
+        ack = NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason)
+        entry = self._entries.get(msg.request_id)
+        if entry is None:
+            tomb = self._tombstones.get(msg.request_id)
+            if tomb is None or tomb[0] < msg.attempt:
+                self._tombstones[msg.request_id] = (msg.attempt, now + self.tombstone_s)
+            return [ack]
+        if msg.attempt < entry.attempt:
+            return []
+        if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
+            self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
+            return [ack] + self._end(entry, reason) + self._advance(entry)
+        rank = entry.ranks.get(msg.decode_rank)
+        before = rank.state if rank is not None else None
+        actions = self._end(entry, reason) + self._advance(entry)
+        told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
+        if not told and before not in (RankState.WRITING, RankState.DONE):
+            actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
+        return actions
+
+    def on_tick(self, now: float) -> list[SenderAction]:
+        actions: list[SenderAction] = []
+        for entry in list(self._entries.values()):
+            if entry.phase is SendPhase.OPEN and now >= entry.deadline and not entry.writing():
+                if entry.src_blocks is None:
+                    why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
+                else:
+                    why = f"lease expired: no registration from decode within {self.lease_s}s"
+                actions += self._end(entry, why) + self._advance(entry)
+            elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
+                self._finish(entry, now)  # waited long enough for a prefill_done that never came
+        for rid, (_attempt, expiry) in list(self._tombstones.items()):
+            if now >= expiry:
+                del self._tombstones[rid]
+        return actions
+
+    # ---- internals --------------------------------------------------------------------------------
+    @staticmethod
+    def _move(rank: _Rank, event: RankEvent) -> None:
+        rank.state = sender_transition(rank.state, event)
+
+    def _new_attempt(self, entry: _Entry, attempt: int, engine_id: str, decode_tp: int,
+                     owed: dict[int, HeadRange]) -> None:
+        """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
+        entry.stale_in_flight |= {(entry.attempt, d) for d, r in entry.ranks.items()
+                                  if r.state is RankState.WRITING}
+        entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
+        entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
+        entry.nbytes = 0
+
+    def _refuse_registration(self, reg: Registration) -> str:
+        try:
+            owners = senders_for(reg.decode_rank, reg.decode_tp, self.tp, self.total_kv_heads)
+        except ValueError as exc:
+            return f"registration does not fit prefill TP {self.tp}: {exc}"
+        if self.rank not in owners:
+            return (f"prefill rank {self.rank} holds no KV heads for decode rank {reg.decode_rank} "
+                    f"(decode TP {reg.decode_tp}, prefill TP {self.tp})")
+        return ""
+
+    def _end(self, entry: _Entry, reason: str) -> list[SenderAction]:
+        """The request will write nothing more: registered ranks are told, owed ones just close."""
+        if entry.phase is SendPhase.ENDING:
+            return []
+        entry.phase, entry.reason = SendPhase.ENDING, reason
+        actions: list[SenderAction] = []
+        for d, rank in sorted(entry.ranks.items()):
+            before = rank.state
+            self._move(rank, RankEvent.END)
+            if before is RankState.REGISTERED:
+                actions.append(NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason))
+        return actions
+
+    def _advance(self, entry: _Entry) -> list[SenderAction]:
+        """Start what can start, then release the source once nothing can still read it. Never recurses."""
+        actions: list[SenderAction] = []
+        if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
+            for d, rank in sorted(entry.ranks.items()):
+                if rank.state is not RankState.REGISTERED:
+                    continue
+                reg = rank.reg
+                assert reg is not None  # REGISTERED always holds its registration
+                if reg.num_tokens > entry.num_tokens:
+                    self._move(rank, RankEvent.REFUSE)
+                    actions.append(NotifyFailure(
+                        entry.request_id, reg.attempt, reg.decode_engine_id, d,
+                        f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"))
+                    actions += self._end(entry, "token count mismatch")
+                    break
+                self._move(rank, RankEvent.START)
+                actions.append(StartWrite(entry.request_id, reg.attempt, reg.decode_engine_id, d,
+                                          reg.decode_tp, entry.src_blocks, tuple(reg.block_ids),
+                                          reg.num_tokens, rank.heads, entry.created_by))
+        if entry.writing():
+            return actions
+        states = {r.state for r in entry.ranks.values()}
+        if entry.phase is SendPhase.OPEN and entry.ranks and states == {RankState.DONE}:
+            assert entry.src_blocks is not None  # DONE ranks were written from it
+            actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
+            self._finish(entry, None)
+        elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
+            actions.append(ReleaseSource(entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason))
+            self._finish(entry, None)
+        return actions
+
+    def _finish(self, entry: _Entry, now: float | None) -> None:
+        del self._entries[entry.request_id]
+        expiry = (now if now is not None else entry.deadline) + self.tombstone_s
+        self._tombstones[entry.request_id] = (entry.attempt, expiry)

@@ -1,0 +1,332 @@
+"""`kvpush serve-pd`: start prefill, decode and the proxy on 127.0.0.1, wait for /health, stop them again.
+
+Every process is started in its own session (process group); stopping sends SIGTERM to exactly those
+groups, then SIGKILL to what is left after a grace period. Nothing else on the machine is touched.
+
+On a 2-core box each engine gets one core (VLLM_CPU_OMP_THREADS_BIND), a 1 GiB KV cache and eager mode.
+The same launcher serves the tests and `kvpush bench-vllm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
+_VLLM_CLASS = {"nixl-push": "NixlPushConnector", "nixl-pull": "NixlConnector"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1", span: int = 1) -> list[int]:
+    """n ports p such that p..p+span-1 are all free now (side channels listen on port + tp_rank)."""
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port(host)
+        if p + span > 65535 or any(abs(p - q) < span for q in out):
+            continue
+        ok = True
+        for k in range(1, span):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, p + k))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            out.append(p)
+    return out
+
+
+def parse_cores(spec: str) -> set[int]:
+    """'0', '0-3', '0,2,4-5' -> the set of CPU ids."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    if not out:
+        raise ValueError(f"no CPU ids in {spec!r}")
+    return out
+
+
+@dataclass
+class EngineSpec:
+    """One vLLM server. role: 'prefill' | 'decode' | 'single'."""
+
+    role: str
+    model: str
+    port: int
+    cores: str
+    connector: str | None = None  # kvpush | nixl-push | nixl-pull | None (single)
+    engine_id: str = ""
+    kv_port: int = 0
+    max_model_len: int = 16384
+    block_size: int | None = None
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        if self.connector is None:
+            return None
+        role = {"prefill": "kv_producer", "decode": "kv_consumer"}[self.role]
+        cfg: dict[str, Any] = {"kv_role": role, "kv_buffer_device": "cpu", "engine_id": self.engine_id}
+        if self.connector == "kvpush":
+            cfg.update(kv_connector="KVPushConnector", kv_connector_module_path="kvpush.platforms.vllm")
+            extra = {"host": "127.0.0.1", "port": self.kv_port}
+            extra.update(self.extra_config)
+            cfg["kv_connector_extra_config"] = extra
+        elif self.connector in _VLLM_CLASS:
+            cfg["kv_connector"] = _VLLM_CLASS[self.connector]
+            if self.extra_config:
+                cfg["kv_connector_extra_config"] = dict(self.extra_config)
+        else:
+            raise ValueError(f"unknown connector {self.connector!r}; choose one of {', '.join(CONNECTORS)}")
+        return cfg
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching",
+                "--max-num-seqs", "64"]
+        spec_file = Path(self.model) / "kvpush_spec.json"
+        if spec_file.exists():  # our tiny models: serve them in the dtype they were built in
+            argv += ["--dtype", json.loads(spec_file.read_text()).get("dtype", "auto")]
+        if self.block_size:
+            argv += ["--block-size", str(self.block_size)]
+        kvc = self.kv_transfer_config()
+        if kvc is not None:
+            argv += ["--kv-transfer-config", json.dumps(kvc)]
+        argv += self.extra_args
+        env = dict(os.environ)
+        env.update({
+            "VLLM_CPU_OMP_THREADS_BIND": self.cores,
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+            "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.kv_port or free_port()),
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.env)
+        return argv, env
+
+
+class Started:
+    """A process we started, in its own process group."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 cpus: set[int] | None = None):
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # cpus: set in the child before exec, so every process the engine starts inherits the mask
+        confine = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=confine)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Engine children (EngineCore, workers) live in the same group; make sure none outlive us.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self._log.close()
+
+
+def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited with code {p.proc.returncode} before {url}/health "
+                                   f"answered; last log lines ({p.log_path}):\n{p.tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+@dataclass
+class Deployment:
+    """prefill + decode + proxy (or one single engine) that this process started."""
+
+    connector: str | None
+    url: str
+    procs: list[Started]
+    engines: list[EngineSpec]
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+    def pids(self) -> dict[str, int]:
+        return {p.name: p.pid for p in self.procs}
+
+
+def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | None = None,
+             prefill_cores: str = "0", decode_cores: str = "1", max_model_len: int = 16384,
+             block_size: int | None = None, prefill_extra: dict[str, Any] | None = None,
+             decode_extra: dict[str, Any] | None = None, decode_env: dict[str, str] | None = None,
+             prefill_env: dict[str, str] | None = None, health_timeout_s: float = 300.0,
+             start_proxy: bool = True, confine_engines: bool = False) -> Deployment:
+    """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
+    tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
+    otherwise only the model's compute threads are bound (VLLM_CPU_OMP_THREADS_BIND) and vLLM's
+    other processes float over all cores."""
+    if connector not in CONNECTORS:
+        raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
+    p_port, d_port, p_kv, d_kv = free_ports(4, span=8)
+    x_port = proxy_port or free_port()
+    tag = connector.replace("-", "_")
+    prefill = EngineSpec("prefill", model, p_port, prefill_cores, connector, f"{tag}-prefill", p_kv,
+                         max_model_len, block_size, dict(prefill_extra or {}), env=dict(prefill_env or {}))
+    decode = EngineSpec("decode", model, d_port, decode_cores, connector, f"{tag}-decode", d_kv,
+                        max_model_len, block_size, dict(decode_extra or {}), env=dict(decode_env or {}))
+    procs: list[Started] = []
+    try:
+        url = ""
+        if start_proxy:
+            # The proxy binds first: engines grab ephemeral ports while starting.
+            mode = "pull" if connector == "nixl-pull" else "push"
+            argv = [sys.executable, "-m", "kvpush.platforms.vllm.tools.proxy", "--port", str(x_port), "--mode", mode,
+                    "--prefill", prefill.url, "--decode", decode.url, "--prefill-engine-id", prefill.engine_id,
+                    "--prefill-kv-host", "127.0.0.1", "--prefill-kv-port", str(p_kv)]
+            procs.append(Started(f"{connector}-proxy", argv, dict(os.environ), log_dir / f"{connector}-proxy.log"))
+            url = f"http://127.0.0.1:{x_port}"
+        for spec in (prefill, decode):
+            argv, env = spec.command()
+            cpus = parse_cores(spec.cores) if confine_engines else None
+            procs.append(Started(f"{connector}-{spec.role}", argv, env, log_dir / f"{connector}-{spec.role}.log",
+                                 cpus))
+        for spec in (prefill, decode):
+            wait_healthy(spec.url, procs, health_timeout_s)
+        if url:
+            wait_healthy(url, procs, 60)
+        return Deployment(connector, url, procs, [prefill, decode])
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
+
+
+def start_single(model: str, log_dir: Path, *, cores: str = "0", max_model_len: int = 16384,
+                 block_size: int | None = None, health_timeout_s: float = 300.0,
+                 confine: bool = False, env: dict[str, str] | None = None) -> Deployment:
+    spec = EngineSpec("single", model, free_port(), cores, None, "", 0, max_model_len, block_size,
+                      env=dict(env or {}))
+    argv, proc_env = spec.command()
+    proc = Started("single", argv, proc_env, log_dir / "single.log", parse_cores(cores) if confine else None)
+    try:
+        wait_healthy(spec.url, [proc], health_timeout_s)
+    except BaseException:
+        proc.stop()
+        raise
+    return Deployment(None, spec.url, [proc], [spec])
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--connector", choices=CONNECTORS, default="kvpush")
+    parser.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
+    parser.add_argument("--variant", default="realistic", help="tiny model variant: fast | realistic | ...")
+    parser.add_argument("--port", type=int, default=8000, help="proxy port")
+    parser.add_argument("--prefill-cores", default="0")
+    parser.add_argument("--decode-cores", default="1")
+    parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--log-dir", default="out/serve-pd")
+    parser.add_argument("--exit-after-ready", action="store_true",
+                        help="stop everything once healthy (a smoke test)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .tiny_model import build
+
+    model = args.model or str(build(args.variant))
+    dep = start_pd(args.connector, model, Path(args.log_dir), proxy_port=args.port,
+                   prefill_cores=args.prefill_cores, decode_cores=args.decode_cores,
+                   max_model_len=args.max_model_len, block_size=args.block_size)
+    print(f"ready: {dep.url} (connector {args.connector}, model {model}); pids {dep.pids()}", flush=True)
+    if args.exit_after_ready:
+        dep.stop()
+        return 0
+    stop = {"now": False}
+
+    def _on_signal(signum: int, frame: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    try:
+        while not stop["now"]:
+            for p in dep.procs:
+                if not p.alive():
+                    print(f"{p.name} exited ({p.proc.returncode}); stopping", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.5)
+    finally:
+        dep.stop()
+    return 0
+
+
+@contextlib.contextmanager
+def serving(connector: str | None, model: str, log_dir: Path, **kw: Any) -> Iterator[Deployment]:
+    dep = start_single(model, log_dir, **kw) if connector is None else start_pd(connector, model, log_dir, **kw)
+    try:
+        yield dep
+    finally:
+        dep.stop()
