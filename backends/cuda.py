@@ -44,5 +44,6 @@ class CudaKVCache:
 
     def from_host(self, host: np.ndarray) -> None:
         import torch
+
         self.tensor.copy_(torch.from_numpy(host))
         torch.cuda.synchronize(self.device)

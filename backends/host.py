@@ -44,10 +44,10 @@ class HostKVCache:
         """uint8 view of one block of one plane."""
         lay = self.layout
         start = lay.plane(layer, kv).offset + block_id * lay.block_stride
-        return self.buffer[start:start + lay.block_bytes]
+        return self.buffer[start : start + lay.block_bytes]
 
     def token_view(self, layer: int, kv: int, block_id: int, token: int, local_head: int) -> np.ndarray:
         """uint8 view of one (token, head) unit."""
         lay = self.layout
         start = lay.plane(layer, kv).offset + block_id * lay.block_stride + lay.unit_offset(token, local_head)
-        return self.buffer[start:start + lay.unit_bytes]
+        return self.buffer[start : start + lay.unit_bytes]

@@ -27,19 +27,19 @@ def main() -> int:
         decode.connect(where)  # optional: handshake now, refuse an incompatible layout at start-up
 
         num_tokens = 1000
-        decode_blocks = [5, 6, 7] + list(range(20, 49))                                  # 32 tokens each
-        prefill_blocks = list(range(100, 163))                                           # 16 tokens each
-        decode.expect("req-1", decode_blocks, num_tokens, where)      # decode allocated: register early
-        prefill.prefill_done("req-1", prefill_blocks, num_tokens)     # prefill finished: hand over
+        decode_blocks = [5, 6, 7, *range(20, 49)]  # 32 tokens each
+        prefill_blocks = list(range(100, 163))  # 16 tokens each
+        decode.expect("req-1", decode_blocks, num_tokens, where)  # decode allocated: register early
+        prefill.prefill_done("req-1", prefill_blocks, num_tokens)  # prefill finished: hand over
 
         [ready] = decode.wait_any(timeout=10)  # an engine polls decode.finished() once per step instead
         sent = []
         while not sent:
-            sent = prefill.finished()          # the WRITE completed: prefill may free these blocks
+            sent = prefill.finished()  # the WRITE completed: prefill may free these blocks
         print(f"decode: {ready.request_id} ok={ready.ok} bytes={ready.nbytes} {ready.reason}")
         print(f"prefill: free {len(sent[0].block_ids)} blocks, ok={sent[0].ok}")
-        src = prefill_cache.block_view(3, 1, 100 + 40 // 16)[(40 % 16) * 256:(40 % 16 + 1) * 256]
-        dst = decode_cache.block_view(3, 1, decode_blocks[40 // 32])[(40 % 32) * 256:(40 % 32 + 1) * 256]
+        src = prefill_cache.block_view(3, 1, 100 + 40 // 16)[(40 % 16) * 256 : (40 % 16 + 1) * 256]
+        dst = decode_cache.block_view(3, 1, decode_blocks[40 // 32])[(40 % 32) * 256 : (40 % 32 + 1) * 256]
         print("token 40, layer 3, V equal on both sides:", bool(np.array_equal(src, dst)))
         return 0 if ready.ok and np.array_equal(src, dst) else 1
 

@@ -35,11 +35,27 @@ if TYPE_CHECKING:
 # endpoints' ZeroMQ and NIXL layers.
 _WHERE = {
     "KVPushConfig": ".config",
-    **dict.fromkeys(("DecodeEndpoint", "PrefillAddress", "PrefillEndpoint", "RecvResult", "SendResult"),
-                    ".endpoint"),
-    **dict.fromkeys(("ConfigError", "EndpointClosed", "HandshakeTimeout", "KVPushError", "LayoutError",
-                     "LocalProtocolError", "PeerGone", "PeerRefused", "ProtocolError", "RemoteProtocolError",
-                     "RequestError", "TransportError", "WireError"), ".errors"),
+    **dict.fromkeys(
+        ("DecodeEndpoint", "PrefillAddress", "PrefillEndpoint", "RecvResult", "SendResult"), ".endpoint"
+    ),
+    **dict.fromkeys(
+        (
+            "ConfigError",
+            "EndpointClosed",
+            "HandshakeTimeout",
+            "KVPushError",
+            "LayoutError",
+            "LocalProtocolError",
+            "PeerGone",
+            "PeerRefused",
+            "ProtocolError",
+            "RemoteProtocolError",
+            "RequestError",
+            "TransportError",
+            "WireError",
+        ),
+        ".errors",
+    ),
     **dict.fromkeys(("KVLayout", "Plane", "Region", "packed_planes"), ".protocol.layout"),
 }
 

@@ -46,16 +46,26 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError("engine_id must be a non-empty string")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port {self.port} is out of range 0..65535")
-        for name in ("lease_s", "ready_timeout_s", "tombstone_s", "busy_poll_s", "max_busy_poll_s",
-                     "idle_poll_s", "handshake_timeout_s"):
+        for name in (
+            "lease_s",
+            "ready_timeout_s",
+            "tombstone_s",
+            "busy_poll_s",
+            "max_busy_poll_s",
+            "idle_poll_s",
+            "handshake_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.ready_timeout_s <= self.lease_s:
             raise ConfigError(
                 f"ready_timeout_s ({self.ready_timeout_s}) must exceed lease_s ({self.lease_s}) so that "
-                "prefill reports a give-up before decode times out")
+                "prefill reports a give-up before decode times out"
+            )
         if self.max_busy_poll_s < self.busy_poll_s:
-            raise ConfigError(f"max_busy_poll_s ({self.max_busy_poll_s}) must be >= busy_poll_s ({self.busy_poll_s})")
+            raise ConfigError(
+                f"max_busy_poll_s ({self.max_busy_poll_s}) must be >= busy_poll_s ({self.busy_poll_s})"
+            )
         if not self.backends:
             raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
 

@@ -16,10 +16,10 @@ import time
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint  # noqa: E402
-from kvpush.backends.host import HostKVCache  # noqa: E402
-from kvpush.config import KVPushConfig  # noqa: E402
-from kvpush.protocol.layout import KVLayout  # noqa: E402
+from kvpush.backends.host import HostKVCache
+from kvpush.config import KVPushConfig
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.protocol.layout import KVLayout
 
 
 def thread_cpu_ns(tid: int) -> int:
@@ -36,8 +36,10 @@ def main() -> int:
     geo = dict(num_layers=4, total_kv_heads=1, head_dim=128, dtype_size=2)
     src = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
     dst = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
-    with PrefillEndpoint(KVPushConfig(engine_id="P", port=0), src.layout) as p, \
-            DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout) as d:
+    with (
+        PrefillEndpoint(KVPushConfig(engine_id="P", port=0), src.layout) as p,
+        DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout) as d,
+    ):
         where = PrefillAddress("P", *p.address)
         d.connect(where)
         if args.waiting:
@@ -53,7 +55,9 @@ def main() -> int:
                 pct = 100 * (thread_cpu_ns(tid) - before[name]) / 1e9 / wall
                 print(f"{name}: {pct:.2f}% of a core")
         state = "one request waiting" if args.waiting else "idle"
-        print(f"whole process (both endpoints, {state}): {100 * (time.process_time() - cpu0) / wall:.2f}% of a core")
+        print(
+            f"whole process (both endpoints, {state}): {100 * (time.process_time() - cpu0) / wall:.2f}% of a core"
+        )
     return 0
 
 

@@ -5,5 +5,13 @@ from .control import ControlPlane, MemoryControl, ZmqControl
 from .decode import DecodeEndpoint
 from .prefill import PrefillEndpoint
 
-__all__ = ["ControlPlane", "DecodeEndpoint", "MemoryControl", "PrefillAddress", "PrefillEndpoint", "RecvResult",
-           "SendResult", "ZmqControl"]
+__all__ = [
+    "ControlPlane",
+    "DecodeEndpoint",
+    "MemoryControl",
+    "PrefillAddress",
+    "PrefillEndpoint",
+    "RecvResult",
+    "SendResult",
+    "ZmqControl",
+]

@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
@@ -67,6 +67,18 @@ def new_nixl_transport(config: KVPushConfig, role: str, rank: int) -> Transport:
     return NixlTransport(f"{config.engine_id}-{role}-{rank}-{uuid.uuid4().hex[:8]}", config.backends)
 
 
+class TransferHooks(Protocol):
+    """Where a memory backend joins the data path, on the transfer thread (never the engine's).
+
+    Host staging for a device cache uses both: the registered (and planned) memory is a host bounce
+    buffer; `before_write` copies the request's blocks device -> host before the WRITE is posted, and
+    `after_receive` copies them host -> device before the request is reported ready.
+    """
+
+    def before_write(self, request_id: str, block_ids: tuple[int, ...]) -> None: ...
+    def after_receive(self, request_id: str, block_ids: tuple[int, ...]) -> None: ...
+
+
 R = TypeVar("R", SendResult, RecvResult)
 
 
@@ -76,9 +88,17 @@ class EndpointWorker(Worker, Generic[R]):
 
     role = ""
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
-                 transport: Transport | Callable[[], Transport] | None, control: ControlPlane | None) -> None:
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str,
+        transport: Transport | Callable[[], Transport] | None,
+        control: ControlPlane | None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
         super().__init__(config)
+        self.hooks = hooks
         self.layout = layout
         self.mem_type = mem_type
         self.codec = Codec(config.max_message_bytes, config.hmac_key)
@@ -99,8 +119,9 @@ class EndpointWorker(Worker, Generic[R]):
         else:
             transport = src  # type: ignore[assignment]
         transport.register(self.layout.regions, self.mem_type)
-        hello = make_hello(self.config.engine_id, self.role, transport.name, transport.metadata(),
-                           self.mem_type, self.layout)
+        hello = make_hello(
+            self.config.engine_id, self.role, transport.name, transport.metadata(), self.mem_type, self.layout
+        )
         return transport, hello
 
     def tick_due(self, now: float) -> bool:
@@ -117,7 +138,7 @@ class EndpointWorker(Worker, Generic[R]):
             return
         try:
             listener()
-        except Exception:  # noqa: BLE001 - a broken listener must not take the transfer thread down
+        except Exception:
             log.exception("kvpush: result listener failed")
 
     def decode_or_count(self, data: bytes | None, origin: str) -> Message | None:
@@ -193,10 +214,10 @@ class Endpoint(Generic[R]):
         return int(self._worker.call(self._worker.tracked, self.config.handshake_timeout_s))
 
 
-def checked_blocks(layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int) -> tuple[int, ...]:
-    """The caller's block table, or an error naming what is wrong (caught here, not on the wire).
-
-    """
+def checked_blocks(
+    layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int
+) -> tuple[int, ...]:
+    """The caller's block table, or an error naming what is wrong (caught here, not on the wire)."""
     if not request_id:
         raise RequestError("request_id must be a non-empty string")
     if num_tokens <= 0:

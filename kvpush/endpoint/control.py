@@ -13,6 +13,7 @@ anything but TransportError.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -143,10 +144,8 @@ class _Bell:
         os.set_blocking(self.write_fd, False)
 
     def ring(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError, OSError):
             os.write(self.write_fd, b"x")
-        except (BlockingIOError, OSError):
-            pass
 
     def clear(self) -> None:
         try:
@@ -157,10 +156,8 @@ class _Bell:
 
     def close(self) -> None:
         for fd in (self.read_fd, self.write_fd):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 @dataclass

@@ -38,7 +38,7 @@ from ..protocol.receiver import (
 from ..protocol.tp import senders_for
 from ..protocol.wire import ErrorReply, Hello, TransferDone, TransferFailed
 from ..transport.base import Transport
-from .base import Endpoint, EndpointWorker, PrefillAddress, RecvResult, checked_blocks
+from .base import Endpoint, EndpointWorker, PrefillAddress, RecvResult, TransferHooks, checked_blocks
 from .control import ControlChannel, ControlPlane
 
 log = logging.getLogger("kvpush")
@@ -58,11 +58,19 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
     name = "kvpush-recv"
     role = "decode"
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
-                 transport: Transport | Callable[[], Transport] | None, control: ControlPlane | None) -> None:
-        super().__init__(config, layout, mem_type, transport, control)
-        self.state = ReceiverState(config.engine_id, layout.tp_rank, layout.tp_size, layout.total_kv_heads,
-                                   config.ready_timeout_s)
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str,
+        transport: Transport | Callable[[], Transport] | None,
+        control: ControlPlane | None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        super().__init__(config, layout, mem_type, transport, control, hooks)
+        self.state = ReceiverState(
+            config.engine_id, layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.ready_timeout_s
+        )
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
 
@@ -97,7 +105,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 self._apply(self.state.on_failed(msg, now))
             elif msg is not None:
                 self.ledger.add("wire_errors")
-                log.warning("kvpush decode: unexpected %s notification from %s", type(msg).__name__, peer_name)
+                log.warning(
+                    "kvpush decode: unexpected %s notification from %s", type(msg).__name__, peer_name
+                )
         for peer in list(self.prefills.values()):
             for _ in range(64):  # bounded per peer and round: one chatty prefill cannot starve the others
                 reply = peer.channel.recv()
@@ -114,7 +124,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         key = (address.engine_id, rank)
         peer = self.prefills.get(key)
         if peer is None:
-            channel = self.control.connect(address.host, address.rank_port(rank), self.config.max_message_bytes)
+            channel = self.control.connect(
+                address.host, address.rank_port(rank), self.config.max_message_bytes
+            )
             self.poller.register(channel.pollable, zmq.POLLIN)
             peer = self.prefills[key] = _PrefillPeer(address, rank, channel)
             # messages on one channel arrive in order: the hello is processed before any registration
@@ -131,17 +143,33 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 peer.error = str(exc)
         elif isinstance(msg, ErrorReply):
             if msg.request_id:
-                self._apply(self.state.on_failed(TransferFailed(
-                    request_id=msg.request_id, attempt=msg.attempt, prefill_rank=peer.rank,
-                    reason=msg.reason), now))
+                self._apply(
+                    self.state.on_failed(
+                        TransferFailed(
+                            request_id=msg.request_id,
+                            attempt=msg.attempt,
+                            prefill_rank=peer.rank,
+                            reason=msg.reason,
+                        ),
+                        now,
+                    )
+                )
             else:
                 peer.error = msg.reason
-                log.error("kvpush decode: prefill %s rank %s refused us: %s", peer.address.engine_id,
-                          peer.rank, msg.reason)
+                log.error(
+                    "kvpush decode: prefill %s rank %s refused us: %s",
+                    peer.address.engine_id,
+                    peer.rank,
+                    msg.reason,
+                )
         elif msg is not None:
             self.ledger.add("wire_errors")
-            log.warning("kvpush decode: unexpected %s on the side channel from prefill %s rank %s",
-                        type(msg).__name__, peer.address.engine_id, peer.rank)
+            log.warning(
+                "kvpush decode: unexpected %s on the side channel from prefill %s rank %s",
+                type(msg).__name__,
+                peer.address.engine_id,
+                peer.rank,
+            )
         for ev in peer.waiters:
             ev.set()
         peer.waiters.clear()
@@ -168,15 +196,29 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         try:
             peer.channel.send(self.codec.encode(act.message))
         except TransportError as exc:
-            return self.state.on_failed(TransferFailed(
-                request_id=act.message.request_id, attempt=act.message.attempt, prefill_rank=act.prefill_rank,
-                reason=f"side channel send failed: {exc}"), time.monotonic())
+            return self.state.on_failed(
+                TransferFailed(
+                    request_id=act.message.request_id,
+                    attempt=act.message.attempt,
+                    prefill_rank=act.prefill_rank,
+                    reason=f"side channel send failed: {exc}",
+                ),
+                time.monotonic(),
+            )
         return []
 
     def _finish(self, act: Ready | Failed) -> None:
         now = time.monotonic()
         if not self.state.tracks(act.request_id):
             self.route.pop(act.request_id, None)
+        if isinstance(act, Ready) and self.hooks is not None:
+            try:
+                self.hooks.after_receive(act.request_id, act.block_ids)
+            except Exception as exc:  # noqa: BLE001 - the request fails with the reason; the thread lives
+                act = Failed(
+                    act.request_id, act.attempt, act.block_ids, f"staging into the cache failed: {exc!r}"
+                )
+            now = time.monotonic()
         if isinstance(act, Ready):
             self.ledger.add("bytes", act.nbytes)
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
@@ -186,8 +228,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         self.put_result(result)
 
     # ---- commands -----------------------------------------------------------------------------
-    def cmd_expect(self, request_id: str, blocks: tuple[int, ...], num_tokens: int,
-                   prefill: PrefillAddress) -> None:
+    def cmd_expect(
+        self, request_id: str, blocks: tuple[int, ...], num_tokens: int, prefill: PrefillAddress
+    ) -> None:
         self.route[request_id] = prefill
         self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, time.monotonic()))
 
@@ -201,7 +244,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self.route.pop(request_id, None)
 
     def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[_PrefillPeer]:
-        ranks = senders_for(self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads)
+        ranks = senders_for(
+            self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
+        )
         peers = [self._peer(prefill, r) for r in ranks]
         pending = [p for p in peers if p.hello is None and not p.error]
         if not pending:
@@ -214,10 +259,16 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
 class DecodeEndpoint(Endpoint[RecvResult]):
     """One decode rank: registers destination blocks with prefill and reports when their KV is ready."""
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str = "DRAM",
-                 transport: Transport | Callable[[], Transport] | None = None,
-                 control: ControlPlane | None = None) -> None:
-        self._recv = ReceiveWorker(config, layout, mem_type, transport, control)
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str = "DRAM",
+        transport: Transport | Callable[[], Transport] | None = None,
+        control: ControlPlane | None = None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        self._recv = ReceiveWorker(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._recv)
 
     def connect(self, prefill: PrefillAddress, timeout: float | None = None) -> None:
@@ -234,8 +285,10 @@ class DecodeEndpoint(Endpoint[RecvResult]):
             while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
                 self._recv.alive_or_raise()
                 if time.monotonic() >= deadline:
-                    raise HandshakeTimeout(f"no handshake answer from prefill {prefill.engine_id!r} at "
-                                           f"{prefill.host}:{prefill.port} within {timeout}s")
+                    raise HandshakeTimeout(
+                        f"no handshake answer from prefill {prefill.engine_id!r} at "
+                        f"{prefill.host}:{prefill.port} within {timeout}s"
+                    )
             self._recv.alive_or_raise()
             errors = [p.error for p in peers if p.error]
             if errors:
@@ -243,15 +296,18 @@ class DecodeEndpoint(Endpoint[RecvResult]):
             if all(p.hello is not None for p in peers):
                 return
 
-    def expect(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-               prefill: PrefillAddress) -> None:
+    def expect(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, prefill: PrefillAddress
+    ) -> None:
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._recv.submit(lambda: self._recv.cmd_expect(request_id, blocks, num_tokens, prefill))
 
     def abort(self, request_id: str, reason: str = "aborted by decode engine") -> None:
         self._recv.submit(lambda: self._recv.cmd_abort(request_id, reason))
 
-    def cancel(self, request_id: str, prefill: PrefillAddress, reason: str = "cancelled by decode engine") -> None:
+    def cancel(
+        self, request_id: str, prefill: PrefillAddress, reason: str = "cancelled by decode engine"
+    ) -> None:
         """Like abort(), but also for a request expect() never saw (dropped before allocation): the
         prefill ranks that would have written it are told, and free its blocks at once."""
         self._recv.submit(lambda: self._recv.cmd_cancel(request_id, prefill, reason))

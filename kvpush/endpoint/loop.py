@@ -12,6 +12,7 @@ runs (it fails what is live), and every later engine-facing call raises Endpoint
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -37,10 +38,8 @@ class Doorbell:
         os.set_blocking(self.write_fd, False)
 
     def ring(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # already ringing
             os.write(self.write_fd, b"x")
-        except BlockingIOError:
-            pass  # already ringing
 
     def clear(self) -> None:
         try:
@@ -168,13 +167,13 @@ class Worker:
         self._started.set()
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - sticky: every later engine call raises EndpointClosed
+        except BaseException as exc:
             self.fatal = exc
             log.exception("kvpush worker %s died", self.name)
         finally:
             try:
                 self.teardown()
-            except Exception:  # noqa: BLE001 - the thread is ending; what failed is logged, not lost
+            except Exception:
                 log.exception("kvpush worker %s: teardown failed", self.name)
 
     def _loop(self) -> None:

@@ -12,6 +12,7 @@ the machine, and the pump runs them in order until none are left.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
@@ -29,7 +30,7 @@ from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Abort, ErrorReply, Hello, Registration, TransferDone, TransferFailed
 from ..transport.base import Transport
-from .base import Endpoint, EndpointWorker, SendResult, checked_blocks
+from .base import Endpoint, EndpointWorker, SendResult, TransferHooks, checked_blocks
 from .control import ControlListener, ControlPlane
 
 log = logging.getLogger("kvpush")
@@ -57,22 +58,33 @@ class PushWorker(EndpointWorker[SendResult]):
     name = "kvpush-push"
     role = "prefill"
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str,
-                 transport: Transport | Callable[[], Transport] | None, control: ControlPlane | None) -> None:
-        super().__init__(config, layout, mem_type, transport, control)
-        self.state = SenderState(layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s,
-                                 config.tombstone_s)
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str,
+        transport: Transport | Callable[[], Transport] | None,
+        control: ControlPlane | None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        super().__init__(config, layout, mem_type, transport, control, hooks)
+        self.state = SenderState(
+            layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s, config.tombstone_s
+        )
         self.peers: dict[tuple[str, int], _DecodePeer] = {}
         self.writes: list[_Write] = []
         self.prefill_done_at: dict[str, float] = {}
+        self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
+        self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
         self.bound_port = 0
 
     def setup(self) -> None:
         self.transport, self.hello = self.setup_transport()
         port = self.config.port + self.layout.tp_rank if self.config.port else 0
         try:
-            self.listener: ControlListener = self.control.listen(self.config.host, port,
-                                                                 self.config.max_message_bytes)
+            self.listener: ControlListener = self.control.listen(
+                self.config.host, port, self.config.max_message_bytes
+            )
         except TransportError:
             self.transport.close()
             raise
@@ -86,17 +98,16 @@ class PushWorker(EndpointWorker[SendResult]):
         reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
         writes, self.writes = self.writes, []
         for w in writes:
-            try:
+            with contextlib.suppress(TransportError):
                 self.transport.release(w.handle)
-            except TransportError:
-                pass
         self.listener.close()
         self.transport.close()
         now = time.monotonic()
         actions: list[SenderAction] = []
         for w in writes:
-            actions += self.state.on_write_done(w.action.request_id, w.action.attempt, w.action.decode_rank,
-                                                False, 0, reason, now)
+            actions += self.state.on_write_done(
+                w.action.request_id, w.action.attempt, w.action.decode_rank, False, 0, reason, now
+            )
         for rid in self.state.pending():
             actions += self.state.abort(rid, reason, now)
         for act in actions:  # the transport is closed: only the releases matter now
@@ -140,10 +151,15 @@ class PushWorker(EndpointWorker[SendResult]):
             self._on_hello(conn, msg)
         elif isinstance(msg, Registration):
             if (msg.decode_engine_id, msg.decode_rank) not in self.peers:
-                self._reply(conn, ErrorReply(
-                    reason=f"registration from unknown decode {msg.decode_engine_id!r} rank "
-                           f"{msg.decode_rank}: send hello first", request_id=msg.request_id,
-                    attempt=msg.attempt))
+                self._reply(
+                    conn,
+                    ErrorReply(
+                        reason=f"registration from unknown decode {msg.decode_engine_id!r} rank "
+                        f"{msg.decode_rank}: send hello first",
+                        request_id=msg.request_id,
+                        attempt=msg.attempt,
+                    ),
+                )
                 return
             self._apply(self.state.on_registration(msg, now))
         elif isinstance(msg, Abort):
@@ -196,26 +212,59 @@ class PushWorker(EndpointWorker[SendResult]):
         peer = self.peers.get((act.decode_engine_id, act.decode_rank))
         try:
             if peer is None:
-                raise TransportError(f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            plan = build_plan(self.layout, peer.layout, act.src_blocks, act.dst_blocks, act.num_tokens,
-                              heads=act.heads)
+                raise TransportError(
+                    f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}"
+                )
+            self._source_ready(act)
+            plan = build_plan(
+                self.layout, peer.layout, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads
+            )
             local, remote = plan.nixl_descs()
-            notif = self.codec.encode(TransferDone(request_id=act.request_id, attempt=act.attempt,
-                                                   prefill_rank=self.layout.tp_rank, nbytes=plan.nbytes))
+            notif = self.codec.encode(
+                TransferDone(
+                    request_id=act.request_id,
+                    attempt=act.attempt,
+                    prefill_rank=self.layout.tp_rank,
+                    nbytes=plan.nbytes,
+                )
+            )
             t_plan = time.monotonic()
             handle = self.transport.post_write(peer.agent, local, remote, notif, self.mem_type)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("kvpush push %s: queued %.1f ms, plan %.1f ms, post %.1f ms, %d descriptors, %d bytes",
-                          act.request_id, 1e3 * (now - self.prefill_done_at.get(act.request_id, now)),
-                          1e3 * (t_plan - now), 1e3 * (time.monotonic() - t_plan), plan.num_descriptors,
-                          plan.nbytes)
+                log.debug(
+                    "kvpush push %s: queued %.1f ms, plan %.1f ms, post %.1f ms, %d descriptors, %d bytes",
+                    act.request_id,
+                    1e3 * (now - self.prefill_done_at.get(act.request_id, now)),
+                    1e3 * (t_plan - now),
+                    1e3 * (time.monotonic() - t_plan),
+                    plan.num_descriptors,
+                    plan.nbytes,
+                )
         except (LayoutError, TransportError) as exc:
-            return self.state.on_write_done(act.request_id, act.attempt, act.decode_rank, False, 0, str(exc), now)
+            return self.state.on_write_done(
+                act.request_id, act.attempt, act.decode_rank, False, 0, str(exc), now
+            )
         self.ledger.add("writes")
         self.ledger.add("descriptors", plan.num_descriptors)
         self.ledger.add("blocks", plan.num_blocks)
         self.writes.append(_Write(act, handle, plan, now))
         return []
+
+    def _source_ready(self, act: StartWrite) -> None:
+        """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
+        (a device event, say) and let the backend stage the blocks; both run here, on the push thread."""
+        barrier = self.kv_written.pop(act.request_id, None)
+        if barrier is not None:
+            try:
+                barrier()
+            except Exception as exc:  # a failed barrier fails this request, not the thread
+                raise TransportError(f"the engine's KV-written barrier failed: {exc!r}") from exc
+        if self.hooks is not None and act.request_id not in self.staged:
+            try:
+                self.hooks.before_write(act.request_id, act.src_blocks)
+            except Exception as exc:  # likewise: the request fails with the reason
+                raise TransportError(f"staging the source blocks failed: {exc!r}") from exc
+            self.staged.add(act.request_id)
 
     def _progress_writes(self, now: float) -> list[SenderAction]:
         """Poll every WRITE in flight once; the machine's answers to the finished ones are returned."""
@@ -237,21 +286,41 @@ class PushWorker(EndpointWorker[SendResult]):
             if ok:
                 self.ledger.add("bytes", nbytes)
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("kvpush push %s: complete %.1f ms after post (ok=%s)", w.action.request_id,
-                          1e3 * (now - w.posted_at), ok)
-            follow += self.state.on_write_done(w.action.request_id, w.action.attempt, w.action.decode_rank,
-                                               ok, nbytes, reason, time.monotonic())
+                log.debug(
+                    "kvpush push %s: complete %.1f ms after post (ok=%s)",
+                    w.action.request_id,
+                    1e3 * (now - w.posted_at),
+                    ok,
+                )
+            follow += self.state.on_write_done(
+                w.action.request_id,
+                w.action.attempt,
+                w.action.decode_rank,
+                ok,
+                nbytes,
+                reason,
+                time.monotonic(),
+            )
         self.writes = still
         return follow
 
     def _notify_failure(self, act: NotifyFailure) -> None:
         peer = self.peers.get((act.decode_engine_id, act.decode_rank))
         if peer is None:
-            log.warning("kvpush prefill: cannot tell decode %s rank %s that %s failed: %s (no handshake)",
-                        act.decode_engine_id, act.decode_rank, act.request_id, act.reason)
+            log.warning(
+                "kvpush prefill: cannot tell decode %s rank %s that %s failed: %s (no handshake)",
+                act.decode_engine_id,
+                act.decode_rank,
+                act.request_id,
+                act.reason,
+            )
             return
-        msg = TransferFailed(request_id=act.request_id, attempt=act.attempt, prefill_rank=self.layout.tp_rank,
-                             reason=act.reason[:2000])
+        msg = TransferFailed(
+            request_id=act.request_id,
+            attempt=act.attempt,
+            prefill_rank=self.layout.tp_rank,
+            reason=act.reason[:2000],
+        )
         try:
             self.transport.send_notif(peer.agent, self.codec.encode(msg))
         except TransportError as exc:
@@ -260,12 +329,23 @@ class PushWorker(EndpointWorker[SendResult]):
     def _release(self, act: ReleaseSource) -> None:
         now = time.monotonic()
         started = self.prefill_done_at.pop(act.request_id, None)
+        self.kv_written.pop(act.request_id, None)
+        self.staged.discard(act.request_id)
         self.ledger.finished(act.ok, None if started is None else now - started)
         self.put_result(SendResult(act.request_id, act.ok, act.block_ids, act.reason, act.nbytes, now))
 
     # ---- commands (run on this thread) --------------------------------------------------------
-    def cmd_prefill_done(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, at: float) -> None:
+    def cmd_prefill_done(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        at: float,
+        kv_written: Callable[[], None] | None,
+    ) -> None:
         self.prefill_done_at[request_id] = at
+        if kv_written is not None:
+            self.kv_written[request_id] = kv_written
         self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, time.monotonic()))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
@@ -275,10 +355,16 @@ class PushWorker(EndpointWorker[SendResult]):
 class PrefillEndpoint(Endpoint[SendResult]):
     """One prefill rank: receives registrations, pushes KV, tells the engine when blocks are free."""
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, mem_type: str = "DRAM",
-                 transport: Transport | Callable[[], Transport] | None = None,
-                 control: ControlPlane | None = None) -> None:
-        self._push = PushWorker(config, layout, mem_type, transport, control)
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str = "DRAM",
+        transport: Transport | Callable[[], Transport] | None = None,
+        control: ControlPlane | None = None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        self._push = PushWorker(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._push)
 
     @property
@@ -286,10 +372,21 @@ class PrefillEndpoint(Endpoint[SendResult]):
         """(host, base port): decode ranks reach rank r at base port + r."""
         return self.config.host, self._push.bound_port - self.layout.tp_rank
 
-    def prefill_done(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> None:
+    def prefill_done(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        kv_written: Callable[[], None] | None = None,
+    ) -> None:
+        """The request's prompt KV is computed into block_ids; push it once decode has registered.
+
+        kv_written: optional barrier the push thread calls before reading the blocks (e.g. a CUDA event's
+        synchronize, recorded by the engine on the stream that wrote the KV): the engine never waits.
+        """
         at = time.monotonic()
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
-        self._push.submit(lambda: self._push.cmd_prefill_done(request_id, blocks, num_tokens, at))
+        self._push.submit(lambda: self._push.cmd_prefill_done(request_id, blocks, num_tokens, at, kv_written))
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
         self._push.submit(lambda: self._push.cmd_abort(request_id, reason))

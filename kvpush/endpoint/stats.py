@@ -16,15 +16,25 @@ BYTES = Counter("kvpush_bytes_total", "KV bytes pushed (prefill) or received (de
 DESCRIPTORS = Counter("kvpush_descriptors_total", "Transfer descriptors posted", LABELS)
 BLOCKS = Counter("kvpush_blocks_total", "Source blocks covered by posted transfers", LABELS)
 WRITES = Counter("kvpush_writes_total", "WRITEs posted", LABELS)
-REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", LABELS + ("outcome",))
+REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", (*LABELS, "outcome"))
 WIRE_ERRORS = Counter("kvpush_wire_errors_total", "Messages refused at decoding or matching", LABELS)
 DISCARDED = Counter("kvpush_discarded_total", "Messages that matched nothing live (late or stale)", LABELS)
 PENDING = Gauge("kvpush_pending_requests", "Requests the endpoint's state machine tracks", LABELS)
-READY_LATENCY = Histogram("kvpush_transfer_seconds", "prefill_done -> all WRITEs complete (prefill side)",
-                          LABELS, buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+READY_LATENCY = Histogram(
+    "kvpush_transfer_seconds",
+    "prefill_done -> all WRITEs complete (prefill side)",
+    LABELS,
+    buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+)
 
-_MIRROR = {"bytes": BYTES, "descriptors": DESCRIPTORS, "blocks": BLOCKS, "writes": WRITES,
-           "wire_errors": WIRE_ERRORS, "discarded": DISCARDED}
+_MIRROR = {
+    "bytes": BYTES,
+    "descriptors": DESCRIPTORS,
+    "blocks": BLOCKS,
+    "writes": WRITES,
+    "wire_errors": WIRE_ERRORS,
+    "discarded": DISCARDED,
+}
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
 
-from ..errors import LayoutError
+from ..errors import LayoutError as LayoutError  # re-exported: layouts raise it
 
 if TYPE_CHECKING:
     import numpy as np
@@ -49,8 +49,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def inner_offset(token_order: str, token_in_block: IntOrArray, local_head: IntOrArray, block_size: int,
-                 num_kv_heads: int, unit_bytes: int) -> IntOrArray:
+def inner_offset(
+    token_order: str,
+    token_in_block: IntOrArray,
+    local_head: IntOrArray,
+    block_size: int,
+    num_kv_heads: int,
+    unit_bytes: int,
+) -> IntOrArray:
     """Byte offset of (token, head) inside a block; works on ints and on numpy arrays alike."""
     if token_order == "NHD":
         return (token_in_block * num_kv_heads + local_head) * unit_bytes
@@ -99,8 +105,16 @@ class KVLayout:
     _plane_index: dict[tuple[int, int], Plane] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_blocks", "total_kv_heads", "head_dim", "dtype_size",
-                     "tp_size", "kv_per_layer"):
+        for name in (
+            "num_layers",
+            "block_size",
+            "num_blocks",
+            "total_kv_heads",
+            "head_dim",
+            "dtype_size",
+            "tp_size",
+            "kv_per_layer",
+        ):
             if getattr(self, name) <= 0:
                 raise LayoutError(f"layout {name} must be > 0, got {getattr(self, name)}")
         if self.token_order not in ("NHD", "HND"):
@@ -162,38 +176,62 @@ class KVLayout:
 
     def unit_offset(self, token_in_block: int, local_head: int) -> int:
         """Byte offset of (token, head) inside a block."""
-        return inner_offset(self.token_order, token_in_block, local_head, self.block_size, self.num_kv_heads,
-                            self.unit_bytes)
+        return inner_offset(
+            self.token_order, token_in_block, local_head, self.block_size, self.num_kv_heads, self.unit_bytes
+        )
 
     def address(self, layer: int, kv: int, block_id: int, token_in_block: int, local_head: int) -> int:
         """Absolute address of one (token, head) unit."""
         p = self.plane(layer, kv)
-        return (self.regions[p.region].addr + p.offset + block_id * self.block_stride
-                + self.unit_offset(token_in_block, local_head))
+        return (
+            self.regions[p.region].addr
+            + p.offset
+            + block_id * self.block_stride
+            + self.unit_offset(token_in_block, local_head)
+        )
 
     def compat_hash(self) -> str:
         """What must be equal on both sides for KV to be exchangeable (block size and TP may differ)."""
-        key = (f"v1|layers={self.num_layers}|kv={self.kv_per_layer}|heads={self.total_kv_heads}"
-               f"|dim={self.head_dim}|dtype={self.dtype_size}|order={self.token_order}|tag={self.model_tag}"
-               + (f"|atomic-blocks={self.block_size}" if self.atomic_blocks else ""))
+        key = (
+            f"v1|layers={self.num_layers}|kv={self.kv_per_layer}|heads={self.total_kv_heads}"
+            f"|dim={self.head_dim}|dtype={self.dtype_size}|order={self.token_order}|tag={self.model_tag}"
+            + (f"|atomic-blocks={self.block_size}" if self.atomic_blocks else "")
+        )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def with_memory(self, regions: tuple[Region, ...], planes: tuple[Plane, ...]) -> KVLayout:
         """The same geometry placed in concrete memory."""
-        return KVLayout(self.num_layers, self.block_size, self.num_blocks, self.total_kv_heads,
-                        self.head_dim, self.dtype_size, self.tp_rank, self.tp_size, self.kv_per_layer,
-                        self.token_order, self.block_stride, regions, planes, self.model_tag,
-                        atomic_blocks=self.atomic_blocks)
+        return KVLayout(
+            self.num_layers,
+            self.block_size,
+            self.num_blocks,
+            self.total_kv_heads,
+            self.head_dim,
+            self.dtype_size,
+            self.tp_rank,
+            self.tp_size,
+            self.kv_per_layer,
+            self.token_order,
+            self.block_stride,
+            regions,
+            planes,
+            self.model_tag,
+            atomic_blocks=self.atomic_blocks,
+        )
 
 
-def check_block_table(layout: KVLayout, block_ids: Sequence[int], num_tokens: int, who: str) -> tuple[int, ...]:
+def check_block_table(
+    layout: KVLayout, block_ids: Sequence[int], num_tokens: int, who: str
+) -> tuple[int, ...]:
     """The first blocks that hold num_tokens tokens, or LayoutError naming what is wrong (the one check of a
     block table: the engine calls run it at once, the planner again on what peers send)."""
     blocks = tuple(int(b) for b in block_ids)
     needed = blocks_for(num_tokens, layout.block_size)
     if len(blocks) < needed:
-        raise LayoutError(f"{who}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
-                          f"{num_tokens} tokens ({needed} needed)")
+        raise LayoutError(
+            f"{who}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
+            f"{num_tokens} tokens ({needed} needed)"
+        )
     bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
     if bad:
         raise LayoutError(f"{who}: block ids {bad[:5]} outside 0..{layout.num_blocks - 1}")
@@ -206,23 +244,37 @@ def check_block_table(layout: KVLayout, block_ids: Sequence[int], num_tokens: in
 def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLayout:
     """Place every plane back to back in one region starting at base_addr (a host buffer, say)."""
     plane_bytes = layout.num_blocks * layout.block_stride
-    planes = tuple(Plane(layer, kv, 0, (layer * layout.kv_per_layer + kv) * plane_bytes)
-                   for layer in range(layout.num_layers) for kv in range(layout.kv_per_layer))
+    planes = tuple(
+        Plane(layer, kv, 0, (layer * layout.kv_per_layer + kv) * plane_bytes)
+        for layer in range(layout.num_layers)
+        for kv in range(layout.kv_per_layer)
+    )
     region = Region(base_addr, plane_bytes * layout.num_layers * layout.kv_per_layer, device_id)
     return layout.with_memory((region,), planes)
 
 
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     """Raise LayoutError naming the first difference that makes src -> dst impossible."""
-    for name in ("num_layers", "kv_per_layer", "total_kv_heads", "head_dim", "dtype_size", "token_order",
-                 "model_tag", "atomic_blocks"):
+    for name in (
+        "num_layers",
+        "kv_per_layer",
+        "total_kv_heads",
+        "head_dim",
+        "dtype_size",
+        "token_order",
+        "model_tag",
+        "atomic_blocks",
+    ):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise LayoutError(f"layout mismatch: prefill {name}={a!r} but decode {name}={b!r}")
     if src.atomic_blocks and src.block_size != dst.block_size:
-        raise LayoutError(f"layout mismatch: blocks are opaque (moved whole) but prefill block_size="
-                          f"{src.block_size} and decode block_size={dst.block_size}; use the same block size")
+        raise LayoutError(
+            f"layout mismatch: blocks are opaque (moved whole) but prefill block_size="
+            f"{src.block_size} and decode block_size={dst.block_size}; use the same block size"
+        )
     big, small = max(src.block_size, dst.block_size), min(src.block_size, dst.block_size)
     if big % small:
         raise LayoutError(
-            f"block sizes {src.block_size} (prefill) and {dst.block_size} (decode): one must divide the other")
+            f"block sizes {src.block_size} (prefill) and {dst.block_size} (decode): one must divide the other"
+        )

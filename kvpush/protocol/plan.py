@@ -58,8 +58,9 @@ class TransferPlan:
         return np.ascontiguousarray(src), np.ascontiguousarray(dst)
 
 
-def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
-                   heads: tuple[int, int]) -> tuple[I64, I64, I64]:
+def _plane_pattern(
+    src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int, heads: tuple[int, int]
+) -> tuple[I64, I64, I64]:
     """Plane-relative (src offset, dst offset, length) pieces, before merging."""
     g0, g1 = heads
     s_lo, d_lo = src.kv_heads[0], dst.kv_heads[0]
@@ -85,7 +86,9 @@ def _plane_pattern(src: KVLayout, dst: KVLayout, s_tab: I64, d_tab: I64, n: int,
     def offsets(layout: KVLayout, table: I64, lo: int) -> I64:
         blk = table[tok // layout.block_size]
         t_in = tok % layout.block_size
-        inner = inner_offset(layout.token_order, t_in, head - lo, layout.block_size, layout.num_kv_heads, unit)
+        inner = inner_offset(
+            layout.token_order, t_in, head - lo, layout.block_size, layout.num_kv_heads, unit
+        )
         return blk * layout.block_stride + inner
 
     return offsets(src, s_tab, s_lo), offsets(dst, d_tab, d_lo), length
@@ -96,15 +99,22 @@ def _runs(src: I64, dst: I64, length: I64, group: I64) -> tuple[I64, I64]:
     if src.shape[0] == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     cont = np.zeros(src.shape[0], dtype=bool)
-    cont[1:] = ((src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1])
-                & (group[1:] == group[:-1]))
+    cont[1:] = (
+        (src[1:] == src[:-1] + length[:-1]) & (dst[1:] == dst[:-1] + length[:-1]) & (group[1:] == group[:-1])
+    )
     starts = np.flatnonzero(~cont)
     return starts, np.add.reduceat(length, starts)
 
 
-def build_plan(src: KVLayout, dst: KVLayout, src_blocks: Sequence[int], dst_blocks: Sequence[int],
-               num_tokens: int, layers: range | None = None,
-               heads: tuple[int, int] | None = None) -> TransferPlan:
+def build_plan(
+    src: KVLayout,
+    dst: KVLayout,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_tokens: int,
+    layers: range | None = None,
+    heads: tuple[int, int] | None = None,
+) -> TransferPlan:
     """Map the first `num_tokens` tokens of src's blocks onto dst's blocks.
 
     `heads` is the global KV-head range to move (default: every head both ranks hold; see kvpush.protocol.tp).
@@ -119,8 +129,9 @@ def build_plan(src: KVLayout, dst: KVLayout, src_blocks: Sequence[int], dst_bloc
         heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
     g0, g1 = heads
     if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
-        raise LayoutError(f"heads {heads} are not held by both prefill rank {src.kv_heads} "
-                          f"and decode rank {dst.kv_heads}")
+        raise LayoutError(
+            f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
+        )
     layers = range(src.num_layers) if layers is None else layers
     if layers and (layers.start < 0 or layers.stop > src.num_layers):
         raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
@@ -156,5 +167,6 @@ def build_plan(src: KVLayout, dst: KVLayout, src_blocks: Sequence[int], dst_bloc
     starts, run_len = _runs(a_src, a_dst, a_len, a_grp)
     plane_of = order[starts] // max(m, 1)
     layer_of = a_grp[starts] // (n_src_regions * n_dst_regions)
-    return TransferPlan(a_src[starts], a_dst[starts], run_len, layer_of, s_dev[plane_of], d_dev[plane_of],
-                        num_tokens, n_src)
+    return TransferPlan(
+        a_src[starts], a_dst[starts], run_len, layer_of, s_dev[plane_of], d_dev[plane_of], num_tokens, n_src
+    )

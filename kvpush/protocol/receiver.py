@@ -64,14 +64,14 @@ class SenderRankState(enum.Enum):
     """Where one prefill rank that owes this attempt KV stands."""
 
     EXPECTED = "expected"  # its WRITE (and notification) may still come
-    DONE = "done"          # its notification arrived: its bytes landed
-    FAILED = "failed"      # it told us it will not write (or its WRITE failed)
-    GAVE_UP = "gave_up"    # the deadline passed without news; no WRITE of it is expected any more
+    DONE = "done"  # its notification arrived: its bytes landed
+    FAILED = "failed"  # it told us it will not write (or its WRITE failed)
+    GAVE_UP = "gave_up"  # the deadline passed without news; no WRITE of it is expected any more
 
 
 class RecvEvent(enum.Enum):
-    DONE = "done"          # TransferDone from this rank
-    FAILED = "failed"      # TransferFailed (or a refusal) from this rank
+    DONE = "done"  # TransferDone from this rank
+    FAILED = "failed"  # TransferFailed (or a refusal) from this rank
     DEADLINE = "deadline"  # the attempt's deadline (or abort grace) passed
 
 
@@ -87,10 +87,10 @@ RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | 
     (R.EXPECTED, V.DONE): R.DONE,
     (R.EXPECTED, V.FAILED): R.FAILED,
     (R.EXPECTED, V.DEADLINE): R.GAVE_UP,
-    (R.DONE, V.DONE): IGNORE,          # duplicate notification (discarded)
-    (R.DONE, V.FAILED): IGNORE,        # its bytes landed; the attempt still ends with the failure
+    (R.DONE, V.DONE): IGNORE,  # duplicate notification (discarded)
+    (R.DONE, V.FAILED): IGNORE,  # its bytes landed; the attempt still ends with the failure
     (R.DONE, V.DEADLINE): IGNORE,
-    (R.FAILED, V.DONE): IGNORE,        # late done after a failure: discarded, the attempt already ends
+    (R.FAILED, V.DONE): IGNORE,  # late done after a failure: discarded, the attempt already ends
     (R.FAILED, V.FAILED): IGNORE,
     (R.FAILED, V.DEADLINE): IGNORE,
     (R.GAVE_UP, V.DONE): IGNORE,
@@ -105,8 +105,9 @@ def receiver_transition(state: SenderRankState, event: RecvEvent) -> SenderRankS
     try:
         nxt = RECEIVER_TRANSITIONS[(state, event)]
     except KeyError:
-        raise LocalProtocolError(f"receiver: event {event.value!r} is not allowed for a prefill rank in state "
-                                 f"{state.value!r}") from None
+        raise LocalProtocolError(
+            f"receiver: event {event.value!r} is not allowed for a prefill rank in state {state.value!r}"
+        ) from None
     return state if isinstance(nxt, _Ignore) else nxt
 
 
@@ -132,8 +133,15 @@ class _Attempt:
 
 
 class ReceiverState:
-    def __init__(self, engine_id: str, decode_rank: int, decode_tp: int, total_kv_heads: int,
-                 ready_timeout_s: float, abort_grace_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        decode_rank: int,
+        decode_tp: int,
+        total_kv_heads: int,
+        ready_timeout_s: float,
+        abort_grace_s: float = 5.0,
+    ) -> None:
         self.engine_id = engine_id
         self.rank = decode_rank
         self.tp = decode_tp
@@ -154,8 +162,9 @@ class ReceiverState:
     def waiting(self) -> int:
         return sum(1 for a in self._live.values() if a.phase is RecvPhase.WAITING)
 
-    def expect(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, prefill_tp: int,
-               now: float) -> list[ReceiverAction]:
+    def expect(
+        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, prefill_tp: int, now: float
+    ) -> list[ReceiverAction]:
         """Blocks are allocated for request_id; register them with the prefill ranks that owe them."""
         actions: list[ReceiverAction] = []
         prev = self._current.get(request_id)
@@ -165,12 +174,23 @@ class ReceiverState:
         self._next_attempt[request_id] = attempt + 1
         self._current[request_id] = attempt
         senders = senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads)
-        att = _Attempt(request_id, attempt, block_ids, now + self.ready_timeout_s,
-                       dict.fromkeys(senders, SenderRankState.EXPECTED))
+        att = _Attempt(
+            request_id,
+            attempt,
+            block_ids,
+            now + self.ready_timeout_s,
+            dict.fromkeys(senders, SenderRankState.EXPECTED),
+        )
         self._live[(request_id, attempt)] = att
-        reg = Registration(request_id=request_id, attempt=attempt, decode_engine_id=self.engine_id,
-                           decode_rank=self.rank, decode_tp=self.tp, block_ids=list(block_ids),
-                           num_tokens=num_tokens)
+        reg = Registration(
+            request_id=request_id,
+            attempt=attempt,
+            decode_engine_id=self.engine_id,
+            decode_rank=self.rank,
+            decode_tp=self.tp,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+        )
         actions += [SendRegistration(p, reg) for p in sorted(senders)]
         return actions + self._settle(att)
 
@@ -179,7 +199,9 @@ class ReceiverState:
         if att is None:
             return [Discarded(f"done for unknown request {msg.request_id!r} attempt {msg.attempt}")]
         if msg.prefill_rank not in att.senders:
-            return [Discarded(f"done from prefill rank {msg.prefill_rank}, which owes {msg.request_id!r} nothing")]
+            return [
+                Discarded(f"done from prefill rank {msg.prefill_rank}, which owes {msg.request_id!r} nothing")
+            ]
         if att.move(msg.prefill_rank, RecvEvent.DONE) is not SenderRankState.EXPECTED:
             return [Discarded(f"duplicate done from prefill rank {msg.prefill_rank} for {msg.request_id!r}")]
         att.nbytes += msg.nbytes
@@ -188,8 +210,11 @@ class ReceiverState:
     def on_failed(self, msg: TransferFailed, now: float) -> list[ReceiverAction]:
         att = self._live.get((msg.request_id, msg.attempt))
         if att is None or msg.prefill_rank not in att.senders:
-            return [Discarded(f"failure for unknown request {msg.request_id!r} attempt {msg.attempt}: "
-                              f"{msg.reason}")]
+            return [
+                Discarded(
+                    f"failure for unknown request {msg.request_id!r} attempt {msg.attempt}: {msg.reason}"
+                )
+            ]
         att.move(msg.prefill_rank, RecvEvent.FAILED)
         actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now)
         return actions + self._settle(att)
@@ -207,9 +232,17 @@ class ReceiverState:
         expiry."""
         if self.tracks(request_id):
             return self.abort(request_id, reason, now)
-        msg = Abort(request_id=request_id, attempt=self._next_attempt.get(request_id, 0),
-                    decode_engine_id=self.engine_id, decode_rank=self.rank, reason=reason)
-        return [SendAbort(p, msg) for p in sorted(senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads))]
+        msg = Abort(
+            request_id=request_id,
+            attempt=self._next_attempt.get(request_id, 0),
+            decode_engine_id=self.engine_id,
+            decode_rank=self.rank,
+            reason=reason,
+        )
+        return [
+            SendAbort(p, msg)
+            for p in sorted(senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads))
+        ]
 
     def on_tick(self, now: float) -> list[ReceiverAction]:
         actions: list[ReceiverAction] = []
@@ -218,8 +251,11 @@ class ReceiverState:
                 continue
             if att.phase is RecvPhase.WAITING:
                 missing = att.unsettled()
-                actions += self._end(att, f"timed out after {self.ready_timeout_s}s waiting for KV from "
-                                          f"prefill ranks {missing}", now)
+                actions += self._end(
+                    att,
+                    f"timed out after {self.ready_timeout_s}s waiting for KV from prefill ranks {missing}",
+                    now,
+                )
             # past the deadline (or the abort grace): no sender is still expected to write
             for rank in list(att.senders):
                 att.move(rank, RecvEvent.DEADLINE)
@@ -229,8 +265,9 @@ class ReceiverState:
     def close(self, reason: str) -> list[ReceiverAction]:
         """The endpoint is going away and its memory is deregistered, so no WRITE can land any more:
         every live attempt fails now, each exactly once."""
-        out: list[ReceiverAction] = [Failed(a.request_id, a.attempt, a.block_ids, a.reason or reason)
-                                     for a in self._live.values()]
+        out: list[ReceiverAction] = [
+            Failed(a.request_id, a.attempt, a.block_ids, a.reason or reason) for a in self._live.values()
+        ]
         self._live.clear()
         self._current.clear()
         return out
@@ -240,8 +277,13 @@ class ReceiverState:
             return []
         att.phase, att.reason = RecvPhase.ENDING, reason
         att.deadline = min(att.deadline, now + self.abort_grace_s)
-        msg = Abort(request_id=att.request_id, attempt=att.attempt, decode_engine_id=self.engine_id,
-                    decode_rank=self.rank, reason=reason)
+        msg = Abort(
+            request_id=att.request_id,
+            attempt=att.attempt,
+            decode_engine_id=self.engine_id,
+            decode_rank=self.rank,
+            reason=reason,
+        )
         return [SendAbort(p, msg) for p in att.unsettled()]
 
     def _settle(self, att: _Attempt) -> list[ReceiverAction]:

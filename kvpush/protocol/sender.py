@@ -65,27 +65,27 @@ SenderAction = StartWrite | NotifyFailure | ReleaseSource
 
 
 class SendPhase(enum.Enum):
-    OPEN = "open"      # collecting registrations / prefill done, writing
+    OPEN = "open"  # collecting registrations / prefill done, writing
     ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
 
 
 class RankState(enum.Enum):
     """Where one owed decode rank stands in the current attempt."""
 
-    OWED = "owed"              # this prefill rank holds heads the decode rank needs; no registration yet
+    OWED = "owed"  # this prefill rank holds heads the decode rank needs; no registration yet
     REGISTERED = "registered"  # its registration is here; waiting for prefill_done
-    WRITING = "writing"        # a WRITE into its blocks is in flight
-    DONE = "done"              # its WRITE completed
-    FAILED = "failed"          # it was told (or will be told) that we will not write
+    WRITING = "writing"  # a WRITE into its blocks is in flight
+    DONE = "done"  # its WRITE completed
+    FAILED = "failed"  # it was told (or will be told) that we will not write
 
 
 class RankEvent(enum.Enum):
-    REGISTER = "register"      # a registration for this rank arrived
-    START = "start"            # registration and prefill_done are both here: post the WRITE
+    REGISTER = "register"  # a registration for this rank arrived
+    START = "start"  # registration and prefill_done are both here: post the WRITE
     WRITE_OK = "write_ok"
     WRITE_FAILED = "write_failed"
-    REFUSE = "refuse"          # the registration cannot be served (token count mismatch)
-    END = "end"                # the request is ending (abort, lease, another rank's failure)
+    REFUSE = "refuse"  # the registration cannot be served (token count mismatch)
+    END = "end"  # the request is ending (abort, lease, another rank's failure)
 
 
 class _Ignore:
@@ -101,14 +101,14 @@ S, E = RankState, RankEvent
 SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | _Ignore] = {
     (S.OWED, E.REGISTER): S.REGISTERED,
     (S.OWED, E.END): S.FAILED,
-    (S.REGISTERED, E.REGISTER): IGNORE,       # duplicate registration
+    (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
     (S.REGISTERED, E.START): S.WRITING,
     (S.REGISTERED, E.REFUSE): S.FAILED,
     (S.REGISTERED, E.END): S.FAILED,
     (S.WRITING, E.REGISTER): IGNORE,
     (S.WRITING, E.WRITE_OK): S.DONE,
     (S.WRITING, E.WRITE_FAILED): S.FAILED,
-    (S.WRITING, E.END): IGNORE,               # the WRITE in flight must settle before anything is freed
+    (S.WRITING, E.END): IGNORE,  # the WRITE in flight must settle before anything is freed
     (S.DONE, E.REGISTER): IGNORE,
     (S.DONE, E.END): IGNORE,
     (S.FAILED, E.REGISTER): IGNORE,
@@ -122,8 +122,9 @@ def sender_transition(state: RankState, event: RankEvent) -> RankState:
     try:
         nxt = SENDER_TRANSITIONS[(state, event)]
     except KeyError:
-        raise LocalProtocolError(f"sender: event {event.value!r} is not allowed for a decode rank in state "
-                                 f"{state.value!r}") from None
+        raise LocalProtocolError(
+            f"sender: event {event.value!r} is not allowed for a decode rank in state {state.value!r}"
+        ) from None
     return state if isinstance(nxt, _Ignore) else nxt
 
 
@@ -157,8 +158,9 @@ class _Entry:
 class SenderState:
     """One prefill rank's view of every request it may push."""
 
-    def __init__(self, prefill_rank: int, prefill_tp: int, total_kv_heads: int, lease_s: float,
-                 tombstone_s: float) -> None:
+    def __init__(
+        self, prefill_rank: int, prefill_tp: int, total_kv_heads: int, lease_s: float, tombstone_s: float
+    ) -> None:
         self.rank = prefill_rank
         self.tp = prefill_tp
         self.total_kv_heads = total_kv_heads
@@ -175,8 +177,10 @@ class SenderState:
         return list(self._entries)
 
     def in_flight(self) -> int:
-        return sum(len(e.stale_in_flight) + sum(r.state is RankState.WRITING for r in e.ranks.values())
-                   for e in self._entries.values())
+        return sum(
+            len(e.stale_in_flight) + sum(r.state is RankState.WRITING for r in e.ranks.values())
+            for e in self._entries.values()
+        )
 
     def rank_states(self, request_id: str) -> dict[int, RankState]:
         """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
@@ -193,38 +197,67 @@ class SenderState:
         if entry is None and tomb is not None:
             if reg.attempt <= tomb[0]:
                 return []  # a late duplicate of something already finished
-            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
-                                  "source KV already released (request finished on prefill)")]
+            return [
+                NotifyFailure(
+                    reg.request_id,
+                    reg.attempt,
+                    reg.decode_engine_id,
+                    reg.decode_rank,
+                    "source KV already released (request finished on prefill)",
+                )
+            ]
         if entry is None:
-            entry = self._entries[reg.request_id] = _Entry(reg.request_id, now + self.lease_s,
-                                                           created_by="registration_first")
+            entry = self._entries[reg.request_id] = _Entry(
+                reg.request_id, now + self.lease_s, created_by="registration_first"
+            )
         if entry.phase is SendPhase.ENDING:
-            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
-                                  entry.reason)]
+            return [
+                NotifyFailure(
+                    reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, entry.reason
+                )
+            ]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
-            self._new_attempt(entry, reg.attempt, reg.decode_engine_id, reg.decode_tp,
-                              receivers_for(self.rank, self.tp, reg.decode_tp, self.total_kv_heads))
+            self._new_attempt(
+                entry,
+                reg.attempt,
+                reg.decode_engine_id,
+                reg.decode_tp,
+                receivers_for(self.rank, self.tp, reg.decode_tp, self.total_kv_heads),
+            )
             entry.deadline = now + self.lease_s
         rank = entry.ranks.get(reg.decode_rank)
         if rank is None or reg.decode_tp != entry.decode_tp:
-            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank,
-                                  f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
-                                  f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")]
+            return [
+                NotifyFailure(
+                    reg.request_id,
+                    reg.attempt,
+                    reg.decode_engine_id,
+                    reg.decode_rank,
+                    f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
+                    f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}",
+                )
+            ]
         if rank.state is RankState.OWED:
             rank.reg = reg
         self._move(rank, RankEvent.REGISTER)
         return self._advance(entry)
 
-    def on_prefill_done(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int,
-                        now: float) -> list[SenderAction]:
+    def on_prefill_done(
+        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, now: float
+    ) -> list[SenderAction]:
         if request_id in self._tombstones and request_id not in self._entries:
-            return [ReleaseSource(request_id, block_ids, False, 0,
-                                  "request already finished or aborted on prefill")]
+            return [
+                ReleaseSource(
+                    request_id, block_ids, False, 0, "request already finished or aborted on prefill"
+                )
+            ]
         entry = self._entries.get(request_id)
         if entry is None:
-            entry = self._entries[request_id] = _Entry(request_id, now + self.lease_s, created_by="prefill_first")
+            entry = self._entries[request_id] = _Entry(
+                request_id, now + self.lease_s, created_by="prefill_first"
+            )
         if entry.src_blocks is not None:
             return [ReleaseSource(request_id, block_ids, False, 0, "duplicate prefill_done: kept the first")]
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
@@ -232,8 +265,9 @@ class SenderState:
             entry.deadline = now + self.lease_s
         return self._advance(entry)
 
-    def on_write_done(self, request_id: str, attempt: int, decode_rank: int, ok: bool, nbytes: int,
-                      reason: str, now: float) -> list[SenderAction]:
+    def on_write_done(
+        self, request_id: str, attempt: int, decode_rank: int, ok: bool, nbytes: int, reason: str, now: float
+    ) -> list[SenderAction]:
         entry = self._entries.get(request_id)
         if entry is None:
             return []
@@ -249,8 +283,11 @@ class SenderState:
             entry.nbytes += nbytes
         else:
             self._move(rank, RankEvent.WRITE_FAILED)
-            actions.append(NotifyFailure(request_id, attempt, entry.decode_engine_id, decode_rank,
-                                         f"WRITE failed: {reason}"))
+            actions.append(
+                NotifyFailure(
+                    request_id, attempt, entry.decode_engine_id, decode_rank, f"WRITE failed: {reason}"
+                )
+            )
             actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}")
         return actions + self._advance(entry)
 
@@ -275,7 +312,7 @@ class SenderState:
             return []
         if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
             self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack] + self._end(entry, reason) + self._advance(entry)
+            return [ack, *self._end(entry, reason), *self._advance(entry)]
         rank = entry.ranks.get(msg.decode_rank)
         before = rank.state if rank is not None else None
         actions = self._end(entry, reason) + self._advance(entry)
@@ -305,11 +342,13 @@ class SenderState:
     def _move(rank: _Rank, event: RankEvent) -> None:
         rank.state = sender_transition(rank.state, event)
 
-    def _new_attempt(self, entry: _Entry, attempt: int, engine_id: str, decode_tp: int,
-                     owed: dict[int, HeadRange]) -> None:
+    def _new_attempt(
+        self, entry: _Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
+    ) -> None:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
-        entry.stale_in_flight |= {(entry.attempt, d) for d, r in entry.ranks.items()
-                                  if r.state is RankState.WRITING}
+        entry.stale_in_flight |= {
+            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is RankState.WRITING
+        }
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
         entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
         entry.nbytes = 0
@@ -320,8 +359,10 @@ class SenderState:
         except ValueError as exc:
             return f"registration does not fit prefill TP {self.tp}: {exc}"
         if self.rank not in owners:
-            return (f"prefill rank {self.rank} holds no KV heads for decode rank {reg.decode_rank} "
-                    f"(decode TP {reg.decode_tp}, prefill TP {self.tp})")
+            return (
+                f"prefill rank {self.rank} holds no KV heads for decode rank {reg.decode_rank} "
+                f"(decode TP {reg.decode_tp}, prefill TP {self.tp})"
+            )
         return ""
 
     def _end(self, entry: _Entry, reason: str) -> list[SenderAction]:
@@ -334,7 +375,9 @@ class SenderState:
             before = rank.state
             self._move(rank, RankEvent.END)
             if before is RankState.REGISTERED:
-                actions.append(NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason))
+                actions.append(
+                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason)
+                )
         return actions
 
     def _advance(self, entry: _Entry) -> list[SenderAction]:
@@ -348,15 +391,32 @@ class SenderState:
                 assert reg is not None  # REGISTERED always holds its registration
                 if reg.num_tokens > entry.num_tokens:
                     self._move(rank, RankEvent.REFUSE)
-                    actions.append(NotifyFailure(
-                        entry.request_id, reg.attempt, reg.decode_engine_id, d,
-                        f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"))
+                    actions.append(
+                        NotifyFailure(
+                            entry.request_id,
+                            reg.attempt,
+                            reg.decode_engine_id,
+                            d,
+                            f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}",
+                        )
+                    )
                     actions += self._end(entry, "token count mismatch")
                     break
                 self._move(rank, RankEvent.START)
-                actions.append(StartWrite(entry.request_id, reg.attempt, reg.decode_engine_id, d,
-                                          reg.decode_tp, entry.src_blocks, tuple(reg.block_ids),
-                                          reg.num_tokens, rank.heads, entry.created_by))
+                actions.append(
+                    StartWrite(
+                        entry.request_id,
+                        reg.attempt,
+                        reg.decode_engine_id,
+                        d,
+                        reg.decode_tp,
+                        entry.src_blocks,
+                        tuple(reg.block_ids),
+                        reg.num_tokens,
+                        rank.heads,
+                        entry.created_by,
+                    )
+                )
         if entry.writing():
             return actions
         states = {r.state for r in entry.ranks.values()}
@@ -365,7 +425,9 @@ class SenderState:
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)
         elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
-            actions.append(ReleaseSource(entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason))
+            actions.append(
+                ReleaseSource(entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason)
+            )
             self._finish(entry, None)
         return actions
 

@@ -12,19 +12,27 @@ from .layout import heads_of_rank
 HeadRange = tuple[int, int]
 
 
-def senders_for(decode_rank: int, decode_tp: int, prefill_tp: int, total_kv_heads: int) -> dict[int, HeadRange]:
+def senders_for(
+    decode_rank: int, decode_tp: int, prefill_tp: int, total_kv_heads: int
+) -> dict[int, HeadRange]:
     """prefill rank -> global head range it writes to `decode_rank`."""
     d_lo, d_hi = heads_of_rank(decode_rank, decode_tp, total_kv_heads)
     owners: dict[int, list[int]] = {}
     for head in range(d_lo, d_hi):
-        owner = min(p for p in range(prefill_tp)
-                    if heads_of_rank(p, prefill_tp, total_kv_heads)[0] <= head
-                    < heads_of_rank(p, prefill_tp, total_kv_heads)[1])
+        owner = min(
+            p
+            for p in range(prefill_tp)
+            if heads_of_rank(p, prefill_tp, total_kv_heads)[0]
+            <= head
+            < heads_of_rank(p, prefill_tp, total_kv_heads)[1]
+        )
         owners.setdefault(owner, []).append(head)
     return {p: (min(hs), max(hs) + 1) for p, hs in sorted(owners.items())}
 
 
-def receivers_for(prefill_rank: int, prefill_tp: int, decode_tp: int, total_kv_heads: int) -> dict[int, HeadRange]:
+def receivers_for(
+    prefill_rank: int, prefill_tp: int, decode_tp: int, total_kv_heads: int
+) -> dict[int, HeadRange]:
     """decode rank -> global head range `prefill_rank` writes to it."""
     out: dict[int, HeadRange] = {}
     for d in range(decode_tp):

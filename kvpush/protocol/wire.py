@@ -140,7 +140,9 @@ class Codec:
         if self.hmac_key is not None:
             body += hmac.new(self.hmac_key, body, hashlib.sha256).digest()
         if len(body) > self.max_bytes:
-            raise WireError(f"{type(msg).__name__} is {len(body)} bytes, over the {self.max_bytes}-byte limit")
+            raise WireError(
+                f"{type(msg).__name__} is {len(body)} bytes, over the {self.max_bytes}-byte limit"
+            )
         return body
 
     def decode(self, data: bytes) -> Message:

@@ -7,6 +7,7 @@ local runs (UCX_NET_DEVICES=lo) unless configured otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Sequence
@@ -29,13 +30,18 @@ class NixlTransport:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise TransportError(f"NIXL is not importable ({exc}); install nixl==1.5.1") from exc
-        config = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                   backends=list(backends),
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=list(backends),
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
         try:
             self._agent: Any = nixl_agent(name, config)
         except Exception as exc:
-            raise TransportError(f"could not create NIXL agent {name!r} with backends {list(backends)}: {exc}") from exc
+            raise TransportError(
+                f"could not create NIXL agent {name!r} with backends {list(backends)}: {exc}"
+            ) from exc
         self.name = name
         self._registered: list[Any] = []
         self._lock = threading.Lock()
@@ -77,7 +83,9 @@ class NixlTransport:
             handle = self._agent.initialize_xfer(op, ldl, rdl, peer, notif)
             state = self._agent.transfer(handle)
         except Exception as exc:
-            raise TransportError(f"NIXL {op} to {peer!r} ({local.shape[0]} descriptors) failed to post: {exc}") from exc
+            raise TransportError(
+                f"NIXL {op} to {peer!r} ({local.shape[0]} descriptors) failed to post: {exc}"
+            ) from exc
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransportError(f"NIXL {op} to {peer!r} returned ERR when posted")
@@ -120,8 +128,6 @@ class NixlTransport:
 
     def close(self) -> None:
         for reg in self._registered:
-            try:
+            with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
-            except Exception:  # noqa: BLE001 - best effort at shutdown; nothing else to release
-                pass
         self._registered.clear()

@@ -54,8 +54,12 @@ except ImportError:  # pragma: no cover - older vLLM
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 except ImportError:  # pragma: no cover - older vLLM
+
     class SupportsHMA:  # type: ignore[no-redef]
         pass
+
+
+import contextlib
 
 from kvpush.config import KVPushConfig
 from kvpush.protocol.layout import LayoutError
@@ -128,8 +132,14 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
     wake_path: str = ""  # the scheduler's IdleWaiter; workers wake it when a transfer settles
 
     def has_commands(self) -> bool:
-        return bool(self.expect or self.fail_recv or self.abort_recv or self.cancel_recv or self.send
-                    or self.abort_send)
+        return bool(
+            self.expect
+            or self.fail_recv
+            or self.abort_recv
+            or self.cancel_recv
+            or self.send
+            or self.abort_send
+        )
 
 
 def _split_extra(extra: dict[str, Any], engine_id: str) -> tuple[KVPushConfig, dict[str, Any]]:
@@ -154,8 +164,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self.is_producer = bool(ktc.is_kv_producer)
         self.is_consumer = bool(ktc.is_kv_consumer)
         if self.is_producer and self.is_consumer:
-            raise ValueError("KVPushConnector: kv_role must be kv_producer (prefill) or kv_consumer (decode), "
-                             "not kv_both")
+            raise ValueError(
+                "KVPushConnector: kv_role must be kv_producer (prefill) or kv_consumer (decode), not kv_both"
+            )
         engine_id = str(ktc.engine_id or "kvpush")
         self.config, self.own = _split_extra(dict(ktc.kv_connector_extra_config or {}), engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -171,11 +182,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = _Worker(self, vllm_config)
 
     # ---- scheduler side ----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._sched is not None
         return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._sched is not None
         self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -191,8 +206,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.request_finished(request, (list(block_ids),))
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
@@ -241,8 +257,9 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if KVConnectorTransferResults is None:  # pragma: no cover - older vLLM uses get_finished
             self._worker.legacy_failed |= failed
             return sending, recving
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Only for vLLM without failed_recving: a failed request's blocks are all invalid."""
@@ -274,19 +291,27 @@ class _Scheduler:
             self.waiter = IdleWaiter()
             atexit.register(self.waiter.close)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or not self.conn.is_consumer:
             return 0, False
         if num_computed_tokens:
             # A local prefix hit: kvpush writes whole prompts, never into cached (shared) blocks.
-            log.warning("kvpush: request %s has a local prefix hit of %d tokens; computing it locally "
-                        "(disable prefix caching on decode for P/D)", request.request_id, num_computed_tokens)
+            log.warning(
+                "kvpush: request %s has a local prefix hit of %d tokens; computing it locally "
+                "(disable prefix caching on decode for P/D)",
+                request.request_id,
+                num_computed_tokens,
+            )
             return 0, False
         n = int(request.num_prompt_tokens)
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         params = request.kv_transfer_params
         if not params:
             return
@@ -297,27 +322,43 @@ class _Scheduler:
         if not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return
         if _DEBUG:
-            log.warning("kvpush debug alloc %s ext=%d computed=%d blocks=%s", rid, num_external_tokens,
-                        request.num_computed_tokens, blocks.get_block_ids())
+            log.warning(
+                "kvpush debug alloc %s ext=%d computed=%d blocks=%s",
+                rid,
+                num_external_tokens,
+                request.num_computed_tokens,
+                blocks.get_block_ids(),
+            )
         params["do_remote_prefill"] = False  # a re-entry (second allocation) must not register again
         block_ids = tuple(blocks.get_block_ids()[0])
-        missing = [k for k in ("remote_engine_id", "remote_host", "remote_port") if params.get(k) in (None, "")]
+        missing = [
+            k for k in ("remote_engine_id", "remote_host", "remote_port") if params.get(k) in (None, "")
+        ]
         if missing:
             self.meta.fail_recv.append((rid, f"kv_transfer_params lack {', '.join(missing)}"))
             self.recving[rid] = block_ids
             return
         n_blocks = -(-int(request.num_prompt_tokens) // self.conn.block_size)
-        item = RecvItem(rid, transfer_key(rid, params), block_ids[:n_blocks],
-                        int(request.num_prompt_tokens), str(params["remote_engine_id"]),
-                        str(params["remote_host"]), int(params["remote_port"]), int(params.get("tp_size") or 1),
-                        int(params.get("pp_size") or 1))
+        item = RecvItem(
+            rid,
+            transfer_key(rid, params),
+            block_ids[:n_blocks],
+            int(request.num_prompt_tokens),
+            str(params["remote_engine_id"]),
+            str(params["remote_host"]),
+            int(params["remote_port"]),
+            int(params.get("tp_size") or 1),
+            int(params.get("pp_size") or 1),
+        )
         self.meta.expect.append(item)
         self.recving[rid] = block_ids
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta, self.meta = self.meta, KVPushConnectorMetadata()
         if _DEBUG and scheduler_output.num_scheduled_tokens:
-            log.warning("kvpush debug sched %s", {r: n for r, n in scheduler_output.num_scheduled_tokens.items()})
+            log.warning(
+                "kvpush debug sched %s", {r: n for r, n in scheduler_output.num_scheduled_tokens.items()}
+            )
         if self.prefill_reqs:
             mgr = self.conn._kv_cache_manager
             for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -330,19 +371,25 @@ class _Scheduler:
                     raise RuntimeError("KVPushConnector needs bind_kv_cache_manager (vLLM >= 0.32)")
                 num_tokens = int(req.num_prompt_tokens)
                 blocks = mgr.get_block_ids(rid)[0][: -(-num_tokens // self.conn.block_size)]
-                meta.send.append(SendItem(rid, transfer_key(rid, req.kv_transfer_params),
-                                          tuple(blocks), num_tokens))
+                meta.send.append(
+                    SendItem(rid, transfer_key(rid, req.kv_transfer_params), tuple(blocks), num_tokens)
+                )
                 self.handed.add(rid)
         if self.waiter is not None:
             meta.wake_path = self.waiter.path
-            if (not scheduler_output.total_num_scheduled_tokens and not meta.has_commands()
-                    and (self.recving or self.sending or self.handed)):
+            if (
+                not scheduler_output.total_num_scheduled_tokens
+                and not meta.has_commands()
+                and (self.recving or self.sending or self.handed)
+            ):
                 # Nothing to compute, nothing to tell the worker: only transfers are outstanding.
                 # Sleep until one settles (the transfer thread wakes us) or idle_wait_ms passes.
                 self.waiter.wait(self.idle_wait_s)
         return meta
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         rid = request.request_id
@@ -350,7 +397,10 @@ class _Scheduler:
         if self.conn.is_producer and (rid in self.prefill_reqs or params.get("do_remote_decode")):
             req = self.prefill_reqs.pop(rid, request)
             key = transfer_key(rid, req.kv_transfer_params)
-            ok_status = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+            ok_status = request.status in (
+                RequestStatus.FINISHED_LENGTH_CAPPED,
+                RequestStatus.FINISHED_STOPPED,
+            )
             if rid not in self.handed:
                 # Never handed over (aborted before its prompt completed): a decode that registered
                 # already is told at once instead of waiting for the lease to run out.
@@ -361,10 +411,17 @@ class _Scheduler:
                 self.meta.abort_send.append((rid, key))
             self.sending.add(rid)
             host, port = self.conn.config.host, self.conn.config.port
-            return True, {"do_remote_prefill": True, "do_remote_decode": False, "transfer_mode": "push",
-                          "remote_engine_id": self.conn.config.engine_id, "remote_request_id": key,
-                          "remote_host": host, "remote_port": port, "tp_size": self.conn.tp_size,
-                          "pp_size": self.conn.pp_size}
+            return True, {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_mode": "push",
+                "remote_engine_id": self.conn.config.engine_id,
+                "remote_request_id": key,
+                "remote_host": host,
+                "remote_port": port,
+                "tp_size": self.conn.tp_size,
+                "pp_size": self.conn.pp_size,
+            }
         if rid in self.recving:
             # Finished (aborted, or failed by policy) before its KV was reported: keep the blocks until
             # the endpoint confirms that no WRITE can still land in them, then finished_recving frees them.
@@ -373,9 +430,16 @@ class _Scheduler:
         if self.conn.is_consumer and params.get("do_remote_prefill") and params.get("remote_engine_id"):
             # Dropped while still waiting for blocks: nothing of ours to hold, but the prefill may be
             # holding its KV for us; tell it now instead of letting its lease run out.
-            self.meta.cancel_recv.append((transfer_key(rid, params), str(params["remote_engine_id"]),
-                                          str(params.get("remote_host") or ""), int(params.get("remote_port") or 0),
-                                          int(params.get("tp_size") or 1), int(params.get("pp_size") or 1)))
+            self.meta.cancel_recv.append(
+                (
+                    transfer_key(rid, params),
+                    str(params["remote_engine_id"]),
+                    str(params.get("remote_host") or ""),
+                    int(params.get("remote_port") or 0),
+                    int(params.get("tp_size") or 1),
+                    int(params.get("pp_size") or 1),
+                )
+            )
         return False, None
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -388,8 +452,16 @@ class _Scheduler:
 
     def has_pending_work(self) -> bool:
         m = self.meta
-        return bool(self.sending or self.handed or m.send or m.abort_send or m.expect or m.abort_recv
-                    or m.fail_recv or m.cancel_recv)
+        return bool(
+            self.sending
+            or self.handed
+            or m.send
+            or m.abort_send
+            or m.expect
+            or m.abort_recv
+            or m.fail_recv
+            or m.cancel_recv
+        )
 
 
 # ======================================================================================================
@@ -422,9 +494,18 @@ class _Worker:
         self.legacy_failed: set[str] = set()
         self.legacy_failed_blocks: set[int] = set()
         # metrics for tests and the benchmark
-        self.stats: dict[str, Any] = {"handoffs": 0, "expects": 0, "sent_ok": 0, "sent_failed": 0,
-                                      "recv_ok": 0, "recv_failed": 0, "recv_bytes": 0, "send_bytes": 0,
-                                      "ready_s": [], "push_s": []}
+        self.stats: dict[str, Any] = {
+            "handoffs": 0,
+            "expects": 0,
+            "sent_ok": 0,
+            "sent_failed": 0,
+            "recv_ok": 0,
+            "recv_failed": 0,
+            "recv_bytes": 0,
+            "send_bytes": 0,
+            "ready_s": [],
+            "push_s": [],
+        }
         self._stats_written = 0.0
         self._stats_stop = threading.Event()
         self.waker: IdleWaker | None = None
@@ -434,8 +515,10 @@ class _Worker:
         mc = self.vllm_config.model_config
         hf = mc.hf_config
         arch = ",".join(getattr(hf, "architectures", None) or [])
-        tag = (f"{arch}|layers={getattr(hf, 'num_hidden_layers', '?')}|hidden={getattr(hf, 'hidden_size', '?')}"
-               f"|vocab={getattr(hf, 'vocab_size', '?')}|dtype={mc.dtype}")
+        tag = (
+            f"{arch}|layers={getattr(hf, 'num_hidden_layers', '?')}|hidden={getattr(hf, 'hidden_size', '?')}"
+            f"|vocab={getattr(hf, 'vocab_size', '?')}|dtype={mc.dtype}"
+        )
         user = self.conn.own.get("model_tag")
         return f"{tag}|{user}" if user else tag
 
@@ -455,6 +538,7 @@ class _Worker:
 
         try:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             self.rank = int(get_tensor_model_parallel_rank())
         except (ImportError, AssertionError, RuntimeError):
             self.rank = 0
@@ -466,24 +550,45 @@ class _Worker:
         self.whole_blocks = backend == "CPU_ATTN"
         tag = self._model_tag() + (f"|whole-blocks={self.conn.block_size}" if self.whole_blocks else "")
         self.layout, self.ratio = layout_from_kv_caches(
-            kv_caches, block_size=self.conn.block_size, total_kv_heads=int(mc.get_total_num_kv_heads()),
-            tp_rank=self.rank, tp_size=self.conn.tp_size, model_tag=tag,
-            split_content=backend == "CPU_ATTN")
+            kv_caches,
+            block_size=self.conn.block_size,
+            total_kv_heads=int(mc.get_total_num_kv_heads()),
+            tp_rank=self.rank,
+            tp_size=self.conn.tp_size,
+            model_tag=tag,
+            split_content=backend == "CPU_ATTN",
+        )
         first = next(iter(kv_caches.values()))
         mem_type = self.mem_type = "DRAM" if first.device.type == "cpu" else "VRAM"
-        log.warning("kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "
-                    "%s, %d kernel blocks per vLLM block of %d)", "prefill" if self.conn.is_producer else "decode",
-                    self.rank, mem_type, self.layout.compat_hash(), self.layout.num_layers,
-                    self.layout.num_kv_heads, self.layout.head_dim, self.layout.block_size,
-                    self.layout.block_bytes, self.layout.token_order, self.ratio, self.conn.block_size)
+        log.warning(
+            "kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "
+            "%s, %d kernel blocks per vLLM block of %d)",
+            "prefill" if self.conn.is_producer else "decode",
+            self.rank,
+            mem_type,
+            self.layout.compat_hash(),
+            self.layout.num_layers,
+            self.layout.num_kv_heads,
+            self.layout.head_dim,
+            self.layout.block_size,
+            self.layout.block_bytes,
+            self.layout.token_order,
+            self.ratio,
+            self.conn.block_size,
+        )
         cls = PrefillEndpoint if self.conn.is_producer else DecodeEndpoint
         self.endpoint = cls(self.conn.config, self.layout, mem_type)
         self.endpoint.start()
         if self.conn.is_consumer:
             timeout = float(self.conn.own.get("connect_timeout_s", 120.0))
             for addr in self.conn.own.get("prefill_addresses") or ():
-                pa = PrefillAddress(str(addr["engine_id"]), str(addr.get("host", "127.0.0.1")), int(addr["port"]),
-                                    int(addr.get("tp_size", 1)), int(addr.get("pp_size", 1)))
+                pa = PrefillAddress(
+                    str(addr["engine_id"]),
+                    str(addr.get("host", "127.0.0.1")),
+                    int(addr["port"]),
+                    int(addr.get("tp_size", 1)),
+                    int(addr.get("pp_size", 1)),
+                )
                 try:
                     self.endpoint.connect(pa, timeout)
                 except LayoutError as exc:
@@ -491,7 +596,8 @@ class _Worker:
                     raise LayoutError(
                         f"kvpush: this decode engine cannot receive KV from prefill {pa.engine_id!r} at "
                         f"{pa.host}:{pa.port}: {exc}. Start both engines with the same model, dtype and KV "
-                        "cache layout.") from exc
+                        "cache layout."
+                    ) from exc
         self._write_stats(force=True)
         if self.conn.own.get("stats_dir"):
             # An idle engine does not step; keep the file current from a tiny thread of our own.
@@ -521,8 +627,12 @@ class _Worker:
             self.recv_tokens[it.req_id] = it.num_tokens
             self.expect_at[it.req_id] = now
             self.stats["expects"] += 1
-            self.endpoint.expect(it.key, expand_blocks(it.block_ids, self.ratio), self._span(it.num_tokens),
-                                 PrefillAddress(it.engine_id, it.host, it.port, it.tp_size, it.pp_size))
+            self.endpoint.expect(
+                it.key,
+                expand_blocks(it.block_ids, self.ratio),
+                self._span(it.num_tokens),
+                PrefillAddress(it.engine_id, it.host, it.port, it.tp_size, it.pp_size),
+            )
         for rid, reason in meta.fail_recv:
             self.instant_fail.append((rid, reason))
         for rid in meta.abort_recv:
@@ -532,8 +642,11 @@ class _Worker:
                 self.endpoint.abort(key, "request aborted on decode")
         for key, engine_id, host, port, tp, pp in meta.cancel_recv:
             if host and port:
-                self.endpoint.cancel(key, PrefillAddress(engine_id, host, port, tp, pp),
-                                     "request dropped on decode before its blocks were allocated")
+                self.endpoint.cancel(
+                    key,
+                    PrefillAddress(engine_id, host, port, tp, pp),
+                    "request dropped on decode before its blocks were allocated",
+                )
 
     def end_step(self, meta: KVPushConnectorMetadata) -> None:
         """After the forward pass: the prompt KV of meta.send is in memory now; hand it over."""
@@ -546,10 +659,16 @@ class _Worker:
             self.key_to_req[it.key] = it.req_id
             self.handed_at[it.req_id] = now
             self.stats["handoffs"] += 1
-            self.endpoint.prefill_done(it.key, expand_blocks(it.block_ids, self.ratio), self._span(it.num_tokens))
+            self.endpoint.prefill_done(
+                it.key, expand_blocks(it.block_ids, self.ratio), self._span(it.num_tokens)
+            )
             if _DEBUG:
-                log.warning("kvpush debug P %s blocks %s sums %s", it.key, it.block_ids,
-                            self._checksum(expand_blocks(it.block_ids, self.ratio), it.num_tokens))
+                log.warning(
+                    "kvpush debug P %s blocks %s sums %s",
+                    it.key,
+                    it.block_ids,
+                    self._checksum(expand_blocks(it.block_ids, self.ratio), it.num_tokens),
+                )
         for _rid, key in meta.abort_send:
             self.endpoint.abort(key, "request aborted on prefill")
 
@@ -614,8 +733,13 @@ class _Worker:
                 aborted = rid in self.aborted_recv
                 self.aborted_recv.discard(rid)
                 if _DEBUG:
-                    log.warning("kvpush debug D %s ok=%s blocks %s sums %s", r.request_id, r.ok, blocks,
-                                self._checksum(expand_blocks(blocks, self.ratio), self.recv_tokens.get(rid, 0)))
+                    log.warning(
+                        "kvpush debug D %s ok=%s blocks %s sums %s",
+                        r.request_id,
+                        r.ok,
+                        blocks,
+                        self._checksum(expand_blocks(blocks, self.ratio), self.recv_tokens.get(rid, 0)),
+                    )
                 if r.ok:
                     self.stats["recv_ok"] += 1
                     self.stats["recv_bytes"] += r.nbytes
@@ -640,7 +764,9 @@ class _Worker:
                 k = min(bs, n - i * bs)
                 if k <= 0:
                     break
-                tot += float(t[b][:, :k].double().sum()) if t.dim() == 4 else float(t[:, b, :k].double().sum())
+                tot += (
+                    float(t[b][:, :k].double().sum()) if t.dim() == 4 else float(t[:, b, :k].double().sum())
+                )
             out.append(round(tot, 4))
         return out
 
@@ -660,16 +786,17 @@ class _Worker:
         out["pid"] = os.getpid()
         out["time"] = time.time()
         # kvpush's own threads in this process (the benchmark measures their idle CPU from /proc)
-        out["threads"] = {t.name: t.native_id for t in threading.enumerate()
-                          if t.name.startswith("kvpush") and t.native_id is not None}
+        out["threads"] = {
+            t.name: t.native_id
+            for t in threading.enumerate()
+            if t.name.startswith("kvpush") and t.native_id is not None
+        }
         if self.layout is not None:
             out["compat"] = self.layout.compat_hash()
             out["bytes_per_token"] = self.layout.bytes_per_token
         if self.endpoint is not None:
-            try:
+            with contextlib.suppress(AttributeError, RuntimeError):
                 out["endpoint"] = self.endpoint.stats()
-            except (AttributeError, RuntimeError):
-                pass
             ep = out.get("endpoint", {})
             out["order_counts"] = {k: ep[k] for k in ("registration_first", "prefill_first") if k in ep}
             out["pending"] = ep.get("pending")

@@ -25,19 +25,36 @@ def _storage_span(t: Any) -> tuple[int, int]:
     return int(st.data_ptr()), int(st.nbytes())
 
 
-def _order(h_stride: int, n_stride: int, heads: int, tokens: int, unit: int, name: str,
-           shape: tuple[int, ...], strides: tuple[int, ...]) -> str:
+def _order(
+    h_stride: int,
+    n_stride: int,
+    heads: int,
+    tokens: int,
+    unit: int,
+    name: str,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+) -> str:
     if (tokens == 1 or n_stride == unit) and (heads == 1 or h_stride == tokens * unit):
         return "HND"
     if (heads == 1 or h_stride == unit) and (tokens == 1 or n_stride == heads * unit):
         return "NHD"
-    raise LayoutError(f"KV cache tensor {name} (shape {shape}, byte strides {strides}) is not dense inside a "
-                      "block; kvpush needs each block's heads x tokens units contiguous")
+    raise LayoutError(
+        f"KV cache tensor {name} (shape {shape}, byte strides {strides}) is not dense inside a "
+        "block; kvpush needs each block's heads x tokens units contiguous"
+    )
 
 
-def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, total_kv_heads: int,
-                          tp_rank: int, tp_size: int, model_tag: str,
-                          split_content: bool = False) -> tuple[KVLayout, int]:
+def layout_from_kv_caches(
+    kv_caches: Mapping[str, Any],
+    *,
+    block_size: int,
+    total_kv_heads: int,
+    tp_rank: int,
+    tp_size: int,
+    model_tag: str,
+    split_content: bool = False,
+) -> tuple[KVLayout, int]:
     """(layout, kernel blocks per vLLM block). Layers are taken in the order vLLM registered them.
 
     split_content: the backend reads a head's [N, C] block slice as [2N, C/2] (K rows, then V rows), as
@@ -67,12 +84,16 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, tota
             nblocks, heads, tokens, content = shape
             unit = content * elem
             if strides[3] != elem:
-                raise LayoutError(f"KV cache tensor {name}: the last dim is not contiguous (strides {strides})")
+                raise LayoutError(
+                    f"KV cache tensor {name}: the last dim is not contiguous (strides {strides})"
+                )
             order = _order(strides[1], strides[2], heads, tokens, unit, name, shape, strides)
             if split_content:
                 if order != "HND" or (tokens > 1 and strides[2] != unit) or content % 2:
-                    raise LayoutError(f"KV cache tensor {name} (shape {shape}, byte strides {strides}) is not "
-                                      "the head-major dense block the CPU backend reads as [2N, C/2]")
+                    raise LayoutError(
+                        f"KV cache tensor {name} (shape {shape}, byte strides {strides}) is not "
+                        "the head-major dense block the CPU backend reads as [2N, C/2]"
+                    )
                 heads, content = 2 * heads, content // 2
             geo = (nblocks, heads, tokens, content, strides[0], 1)
             planes.append(Plane(layer, 0, region, int(t.data_ptr()) - base))
@@ -80,35 +101,56 @@ def layout_from_kv_caches(kv_caches: Mapping[str, Any], *, block_size: int, tota
             _two, nblocks, tokens, heads, content = shape
             unit = content * elem
             if strides[4] != elem:
-                raise LayoutError(f"KV cache tensor {name}: the last dim is not contiguous (strides {strides})")
+                raise LayoutError(
+                    f"KV cache tensor {name}: the last dim is not contiguous (strides {strides})"
+                )
             order = _order(strides[3], strides[2], heads, tokens, unit, name, shape, strides)
             geo = (nblocks, heads, tokens, content, strides[1], 2)
             for kv in range(2):
                 planes.append(Plane(layer, kv, region, int(t[kv].data_ptr()) - base))
         else:
-            raise LayoutError(f"KV cache tensor {name} has shape {shape}; kvpush understands [B, H, N, C] "
-                              "views and [2, B, N, H, D] tensors")
+            raise LayoutError(
+                f"KV cache tensor {name} has shape {shape}; kvpush understands [B, H, N, C] "
+                "views and [2, B, N, H, D] tensors"
+            )
         if geometry is None:
             geometry = (*geo, {"HND": 0, "NHD": 1}[order])
         elif geometry != (*geo, {"HND": 0, "NHD": 1}[order]):
-            raise LayoutError(f"KV cache tensor {name} differs in geometry from {names[0]}: {geo} vs {geometry}")
+            raise LayoutError(
+                f"KV cache tensor {name} differs in geometry from {names[0]}: {geo} vs {geometry}"
+            )
     assert geometry is not None
     nblocks, heads, tokens, content, block_stride, kv_per_layer, order_i = geometry
     if split_content:
         if tp_size > total_kv_heads:
-            raise LayoutError("kvpush: TP larger than the KV head count is not supported with the CPU backend")
+            raise LayoutError(
+                "kvpush: TP larger than the KV head count is not supported with the CPU backend"
+            )
         total_kv_heads *= 2
     if block_size % tokens:
         raise LayoutError(f"vLLM block size {block_size} is not a multiple of the kernel block size {tokens}")
     ratio = block_size // tokens
     layout = KVLayout(
-        num_layers=len(names), block_size=tokens, num_blocks=nblocks, total_kv_heads=total_kv_heads,
-        head_dim=content, dtype_size=elem, tp_rank=tp_rank, tp_size=tp_size, kv_per_layer=kv_per_layer,
-        token_order="HND" if order_i == 0 else "NHD", block_stride=block_stride, regions=tuple(regions),
-        planes=tuple(planes), model_tag=model_tag)
+        num_layers=len(names),
+        block_size=tokens,
+        num_blocks=nblocks,
+        total_kv_heads=total_kv_heads,
+        head_dim=content,
+        dtype_size=elem,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        kv_per_layer=kv_per_layer,
+        token_order="HND" if order_i == 0 else "NHD",
+        block_stride=block_stride,
+        regions=tuple(regions),
+        planes=tuple(planes),
+        model_tag=model_tag,
+    )
     if layout.num_kv_heads != heads:
-        raise LayoutError(f"KV cache tensors hold {heads} heads per rank but the model has {total_kv_heads} "
-                          f"KV heads over TP {tp_size} ({layout.num_kv_heads} per rank)")
+        raise LayoutError(
+            f"KV cache tensors hold {heads} heads per rank but the model has {total_kv_heads} "
+            f"KV heads over TP {tp_size} ({layout.num_kv_heads} per rank)"
+        )
     return layout, ratio
 
 

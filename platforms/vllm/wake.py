@@ -48,7 +48,7 @@ def remove_stale_sockets(directory: str | None = None) -> int:
         if not name.startswith(_PREFIX):
             continue
         try:
-            pid = int(name[len(_PREFIX):].split("-", 1)[0])
+            pid = int(name[len(_PREFIX) :].split("-", 1)[0])
         except ValueError:
             continue
         try:
@@ -100,7 +100,7 @@ class IdleWaiter:
         self._sock.close(0)
         if self.path.startswith("ipc://"):
             with contextlib.suppress(OSError):
-                os.unlink(self.path[len("ipc://"):])
+                os.unlink(self.path[len("ipc://") :])
 
 
 class IdleWaker:

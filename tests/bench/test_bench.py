@@ -96,9 +96,30 @@ def test_tiny_sweep_writes_results_and_summary(tmp_path) -> None:
     cm_file = tmp_path / "small.toml"
     cm_file.write_text(text)
     out = tmp_path / "results"
-    rc = main(["bench", "--modes", "push,pull,pull-threaded", "--qps", "8", "--input-lens", "256,1024",
-               "--output-len", "4", "--num-requests", "3", "--warmup", "1", "--out", str(out),
-               "--cost-model", str(cm_file), "--base-port", "27600", "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--modes",
+            "push,pull,pull-threaded",
+            "--qps",
+            "8",
+            "--input-lens",
+            "256,1024",
+            "--output-len",
+            "4",
+            "--num-requests",
+            "3",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+            "--cost-model",
+            str(cm_file),
+            "--base-port",
+            "27600",
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     for mode in ("push", "pull", "pull-threaded"):
         for n_in in (256, 1024):

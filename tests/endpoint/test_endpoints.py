@@ -35,10 +35,16 @@ def pair():
     src = HostKVCache(KVLayout(block_size=4, num_blocks=32, **GEO))
     dst = HostKVCache(KVLayout(block_size=8, num_blocks=16, **GEO))
     src.buffer[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
-    p = PrefillEndpoint(KVPushConfig(engine_id="P", port=0, lease_s=2.0, ready_timeout_s=3.0),
-                        src.layout, transport=MemoryTransport("P-agent", hub))
-    d = DecodeEndpoint(KVPushConfig(engine_id="D", lease_s=2.0, ready_timeout_s=3.0), dst.layout,
-                       transport=MemoryTransport("D-agent", hub))
+    p = PrefillEndpoint(
+        KVPushConfig(engine_id="P", port=0, lease_s=2.0, ready_timeout_s=3.0),
+        src.layout,
+        transport=MemoryTransport("P-agent", hub),
+    )
+    d = DecodeEndpoint(
+        KVPushConfig(engine_id="D", lease_s=2.0, ready_timeout_s=3.0),
+        dst.layout,
+        transport=MemoryTransport("D-agent", hub),
+    )
     p.start()
     d.start()
     addr = PrefillAddress("P", *p.address)
@@ -172,15 +178,19 @@ def test_layout_mismatch_is_refused_at_connect():
     src = HostKVCache(KVLayout(block_size=4, num_blocks=8, **GEO))
     other = dict(GEO, num_layers=4)
     dst = HostKVCache(KVLayout(block_size=4, num_blocks=8, **other))
-    with PrefillEndpoint(KVPushConfig(engine_id="P", port=0), src.layout,
-                         transport=MemoryTransport("P", hub)) as p, \
-            DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout, transport=MemoryTransport("D", hub)) as d:
-        with pytest.raises(LayoutError, match="num_layers"):
-            d.connect(PrefillAddress("P", *p.address))
+    with (
+        PrefillEndpoint(
+            KVPushConfig(engine_id="P", port=0), src.layout, transport=MemoryTransport("P", hub)
+        ) as p,
+        DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout, transport=MemoryTransport("D", hub)) as d,
+        pytest.raises(LayoutError, match="num_layers"),
+    ):
+        d.connect(PrefillAddress("P", *p.address))
 
 
 def test_config_refuses_bad_values():
     from kvpush.config import ConfigError
+
     with pytest.raises(ConfigError, match="ready_timeout_s"):
         KVPushConfig(lease_s=10, ready_timeout_s=5)
     with pytest.raises(ConfigError, match="unknown field `prot`"):
@@ -218,6 +228,7 @@ def test_result_listeners_fire_once_a_result_is_ready_and_a_broken_one_harms_not
         def call():
             # a result is already available when the listener runs
             seen[side].append(1)
+
         return call
 
     d.set_result_listener(listener("decode"))

@@ -54,16 +54,36 @@ def test_vram_plan_write_lands_every_byte_in_process():
     s_host, d_host = src.to_host(), dst.to_host()
     s0, d0 = src.layout.regions[0].addr, dst.layout.regions[0].addr
     for sa, da, ln in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist(), strict=True):
-        assert np.array_equal(s_host[sa - s0:sa - s0 + ln], d_host[da - d0:da - d0 + ln])
+        assert np.array_equal(s_host[sa - s0 : sa - s0 + ln], d_host[da - d0 : da - d0 + ln])
     assert plan.nbytes == n * 4 * 2 * 2 * 256
 
 
 @pytest.mark.parametrize("extra", [[], ["--prefill-tp", "2", "--kv-heads", "2", "--token-order", "HND"]])
 def test_demo_pushes_vram_between_processes(tmp_path, extra):
     out = tmp_path / "demo.json"
-    proc = subprocess.run([sys.executable, "-m", "kvpush.cli", "demo", "--device", "cuda", "--requests", "12",
-                           "--max-tokens", "8192", "--layers", "8", "--json", str(out), *extra],
-                          env=ENV, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvpush.cli",
+            "demo",
+            "--device",
+            "cuda",
+            "--requests",
+            "12",
+            "--max-tokens",
+            "8192",
+            "--layers",
+            "8",
+            "--json",
+            str(out),
+            *extra,
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["device"] == "cuda" and res["verified"] == res["requests"] == 12 and res["failed"] == 0

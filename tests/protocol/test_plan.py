@@ -13,14 +13,33 @@ from kvpush.protocol.plan import build_plan
 from kvpush.protocol.tp import receivers_for, senders_for
 
 
-def make(layers: int, bs: int, blocks: int, heads: int, rank: int, tp: int, order: str,
-         stride_pad: int = 0) -> HostKVCache:
-    lay = KVLayout(num_layers=layers, block_size=bs, num_blocks=blocks, total_kv_heads=heads, head_dim=4,
-                   dtype_size=2, tp_rank=rank, tp_size=tp, token_order=order)  # type: ignore[arg-type]
+def make(
+    layers: int, bs: int, blocks: int, heads: int, rank: int, tp: int, order: str, stride_pad: int = 0
+) -> HostKVCache:
+    lay = KVLayout(
+        num_layers=layers,
+        block_size=bs,
+        num_blocks=blocks,
+        total_kv_heads=heads,
+        head_dim=4,
+        dtype_size=2,
+        tp_rank=rank,
+        tp_size=tp,
+        token_order=order,
+    )  # type: ignore[arg-type]
     if stride_pad:
-        lay = KVLayout(num_layers=layers, block_size=bs, num_blocks=blocks, total_kv_heads=heads,
-                       head_dim=4, dtype_size=2, tp_rank=rank, tp_size=tp, token_order=order,  # type: ignore[arg-type]
-                       block_stride=lay.block_bytes + stride_pad)
+        lay = KVLayout(
+            num_layers=layers,
+            block_size=bs,
+            num_blocks=blocks,
+            total_kv_heads=heads,
+            head_dim=4,
+            dtype_size=2,
+            tp_rank=rank,
+            tp_size=tp,
+            token_order=order,  # type: ignore[arg-type]
+            block_stride=lay.block_bytes + stride_pad,
+        )
     return HostKVCache(lay)
 
 
@@ -32,9 +51,17 @@ def expected_units(src: HostKVCache, dst: HostKVCache, s_tab, d_tab, n, heads):
         for kv in range(s.kv_per_layer):
             for t in range(n):
                 for h in range(*heads):
-                    out.append((layer,
-                                s.address(layer, kv, s_tab[t // s.block_size], t % s.block_size, h - s.kv_heads[0]),
-                                d.address(layer, kv, d_tab[t // d.block_size], t % d.block_size, h - d.kv_heads[0])))
+                    out.append(
+                        (
+                            layer,
+                            s.address(
+                                layer, kv, s_tab[t // s.block_size], t % s.block_size, h - s.kv_heads[0]
+                            ),
+                            d.address(
+                                layer, kv, d_tab[t // d.block_size], t % d.block_size, h - d.kv_heads[0]
+                            ),
+                        )
+                    )
     return out
 
 
@@ -55,9 +82,9 @@ def apply_plan(plan, src: HostKVCache, dst: HostKVCache) -> np.ndarray:
     s0, d0 = src.layout.regions[0].addr, dst.layout.regions[0].addr
     for sa, da, ln in zip(plan.src_addr.tolist(), plan.dst_addr.tolist(), plan.length.tolist(), strict=True):
         so, do = sa - s0, da - d0
-        assert 0 <= so and so + ln <= src.nbytes and 0 <= do and do + ln <= dst.nbytes
-        dst.buffer[do:do + ln] = src.buffer[so:so + ln]
-        written[do:do + ln] += 1
+        assert so >= 0 and so + ln <= src.nbytes and do >= 0 and do + ln <= dst.nbytes
+        dst.buffer[do : do + ln] = src.buffer[so : so + ln]
+        written[do : do + ln] += 1
     return written
 
 
@@ -82,15 +109,31 @@ def scenarios(draw):
     d_tab = draw(st.permutations(range(d_total)))[:d_blocks_needed]
     if draw(st.booleans()):  # sometimes fully contiguous tables
         p_tab, d_tab = list(range(p_blocks_needed)), list(range(d_blocks_needed))
-    return dict(heads=heads, p_tp=p_tp, d_tp=d_tp, p_bs=p_bs, d_bs=d_bs, n=n, order=order, layers=layers,
-                d_rank=d_rank, p_rank=p_rank, pad=pad, p_total=p_total, d_total=d_total,
-                p_tab=p_tab, d_tab=d_tab)
+    return dict(
+        heads=heads,
+        p_tp=p_tp,
+        d_tp=d_tp,
+        p_bs=p_bs,
+        d_bs=d_bs,
+        n=n,
+        order=order,
+        layers=layers,
+        d_rank=d_rank,
+        p_rank=p_rank,
+        pad=pad,
+        p_total=p_total,
+        d_total=d_total,
+        p_tab=p_tab,
+        d_tab=d_tab,
+    )
 
 
 @settings(max_examples=250, deadline=None)
 @given(scenarios())
 def test_every_byte_lands_once_in_the_right_place(sc):
-    src = make(sc["layers"], sc["p_bs"], sc["p_total"], sc["heads"], sc["p_rank"], sc["p_tp"], sc["order"], sc["pad"])
+    src = make(
+        sc["layers"], sc["p_bs"], sc["p_total"], sc["heads"], sc["p_rank"], sc["p_tp"], sc["order"], sc["pad"]
+    )
     dst = make(sc["layers"], sc["d_bs"], sc["d_total"], sc["heads"], sc["d_rank"], sc["d_tp"], sc["order"])
     rng = np.random.default_rng(1)
     src.buffer[:] = rng.integers(0, 256, src.nbytes, dtype=np.uint8)
@@ -104,8 +147,10 @@ def test_every_byte_lands_once_in_the_right_place(sc):
     expect_mask = np.zeros(dst.nbytes, dtype=bool)
     d0, s0 = dst.layout.regions[0].addr, src.layout.regions[0].addr
     for _layer, sa, da in units:
-        np.testing.assert_array_equal(dst.buffer[da - d0:da - d0 + unit], src.buffer[sa - s0:sa - s0 + unit])
-        expect_mask[da - d0:da - d0 + unit] = True
+        np.testing.assert_array_equal(
+            dst.buffer[da - d0 : da - d0 + unit], src.buffer[sa - s0 : sa - s0 + unit]
+        )
+        expect_mask[da - d0 : da - d0 + unit] = True
     assert (written[expect_mask] == 1).all(), "a destination byte was written twice or not at all"
     assert (written[~expect_mask] == 0).all(), "bytes outside the request's units were written"
     assert plan.nbytes == len(units) * unit
@@ -126,9 +171,15 @@ def test_contiguous_16k_request_is_one_descriptor_per_plane():
 
 
 def test_bad_tables_and_layouts_are_refused_with_a_named_reason():
-    a = HostKVCache(KVLayout(num_layers=2, block_size=16, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2))
-    b = HostKVCache(KVLayout(num_layers=3, block_size=16, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2))
-    c = HostKVCache(KVLayout(num_layers=2, block_size=24, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2))
+    a = HostKVCache(
+        KVLayout(num_layers=2, block_size=16, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2)
+    )
+    b = HostKVCache(
+        KVLayout(num_layers=3, block_size=16, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2)
+    )
+    c = HostKVCache(
+        KVLayout(num_layers=2, block_size=24, num_blocks=4, total_kv_heads=2, head_dim=4, dtype_size=2)
+    )
     with pytest.raises(LayoutError, match="num_layers"):
         build_plan(a.layout, b.layout, [0], [0], 10)
     with pytest.raises(LayoutError, match="divide"):

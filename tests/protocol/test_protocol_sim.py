@@ -49,8 +49,10 @@ class World:
 
     def __post_init__(self) -> None:
         self.senders = [SenderState(p, self.p_tp, self.heads, LEASE, TOMB) for p in range(self.p_tp)]
-        self.receivers = [ReceiverState("D", d, self.d_tp, self.heads, READY_TIMEOUT, abort_grace_s=3.0)
-                          for d in range(self.d_tp)]
+        self.receivers = [
+            ReceiverState("D", d, self.d_tp, self.heads, READY_TIMEOUT, abort_grace_s=3.0)
+            for d in range(self.d_tp)
+        ]
 
     # ---- applying actions -------------------------------------------------------------------------
     def sender_actions(self, p: int, actions: list) -> None:
@@ -61,11 +63,14 @@ class World:
                 assert self.released[(p, a.src_blocks)] == 0, "WRITE from released blocks"
                 self.writes.append((p, a))
             elif isinstance(a, NotifyFailure):
-                msg = TransferFailed(request_id=a.request_id, attempt=a.attempt, prefill_rank=p, reason=a.reason)
+                msg = TransferFailed(
+                    request_id=a.request_id, attempt=a.attempt, prefill_rank=p, reason=a.reason
+                )
                 self.net.append(("decode", a.decode_rank, msg))
             elif isinstance(a, ReleaseSource):
-                assert not any(q == p and w.src_blocks == a.block_ids for q, w in self.writes), \
+                assert not any(q == p and w.src_blocks == a.block_ids for q, w in self.writes), (
                     "source released while a WRITE from it is in flight"
+                )
                 self.released[(p, a.block_ids)] += 1
                 assert self.released[(p, a.block_ids)] == 1, "source blocks released twice"
 
@@ -82,14 +87,21 @@ class World:
                 owed = self.receivers[d]
                 if isinstance(a, Ready):
                     from kvpush.protocol.tp import senders_for
+
                     for p in senders_for(d, self.d_tp, self.p_tp, self.heads):
-                        assert (a.request_id, a.attempt, p, d) in self.completed_writes, "Ready before its WRITEs"
+                        assert (a.request_id, a.attempt, p, d) in self.completed_writes, (
+                            "Ready before its WRITEs"
+                        )
                 else:
-                    in_flight = [w for _p, w in self.writes
-                                 if w.request_id == a.request_id and w.attempt == a.attempt and w.decode_rank == d]
+                    in_flight = [
+                        w
+                        for _p, w in self.writes
+                        if w.request_id == a.request_id and w.attempt == a.attempt and w.decode_rank == d
+                    ]
                     # the receiver may stop waiting for a stuck WRITE only after its bounded grace
-                    assert not in_flight or self.now >= self.created[key] + 3.0, \
+                    assert not in_flight or self.now >= self.created[key] + 3.0, (
                         "Failed while a WRITE may still land"
+                    )
                 del owed
             else:
                 assert isinstance(a, Discarded)
@@ -137,10 +149,25 @@ class World:
         p, w = self.writes.pop(self.rng.randrange(len(self.writes)))
         if ok:
             self.completed_writes.add((w.request_id, w.attempt, p, w.decode_rank))
-            self.net.append(("decode", w.decode_rank, TransferDone(request_id=w.request_id, attempt=w.attempt,
-                                                                   prefill_rank=p, nbytes=100)))
-        self.sender_actions(p, self.senders[p].on_write_done(w.request_id, w.attempt, w.decode_rank, ok,
-                                                             100 if ok else 0, "" if ok else "injected", self.now))
+            self.net.append(
+                (
+                    "decode",
+                    w.decode_rank,
+                    TransferDone(request_id=w.request_id, attempt=w.attempt, prefill_rank=p, nbytes=100),
+                )
+            )
+        self.sender_actions(
+            p,
+            self.senders[p].on_write_done(
+                w.request_id,
+                w.attempt,
+                w.decode_rank,
+                ok,
+                100 if ok else 0,
+                "" if ok else "injected",
+                self.now,
+            ),
+        )
 
     def tick(self, dt: float) -> None:
         self.now += dt
@@ -150,8 +177,20 @@ class World:
             self.receiver_actions(d, r.on_tick(self.now))
 
 
-OPS = ["expect", "prefill", "deliver", "deliver", "deliver", "write_ok", "write_ok", "write_fail",
-       "abort_p", "abort_d", "tick", "reexpect"]
+OPS = [
+    "expect",
+    "prefill",
+    "deliver",
+    "deliver",
+    "deliver",
+    "write_ok",
+    "write_ok",
+    "write_fail",
+    "abort_p",
+    "abort_d",
+    "tick",
+    "reexpect",
+]
 
 
 @st.composite
@@ -220,9 +259,13 @@ def test_registration_first_and_prefill_first_both_write_once():
         s = SenderState(0, 1, 1, LEASE, TOMB)
         r = ReceiverState("D", 0, 1, 1, READY_TIMEOUT)
         regs = [a for a in r.expect("x", (7, 8), 20, 1, 0.0) if isinstance(a, SendRegistration)]
-        first = s.on_registration(regs[0].message, 0.0) if reg_first else s.on_prefill_done("x", (1, 2), 20, 0.0)
+        first = (
+            s.on_registration(regs[0].message, 0.0) if reg_first else s.on_prefill_done("x", (1, 2), 20, 0.0)
+        )
         assert not [a for a in first if isinstance(a, StartWrite)]
-        second = s.on_prefill_done("x", (1, 2), 20, 0.1) if reg_first else s.on_registration(regs[0].message, 0.1)
+        second = (
+            s.on_prefill_done("x", (1, 2), 20, 0.1) if reg_first else s.on_registration(regs[0].message, 0.1)
+        )
         writes = [a for a in second if isinstance(a, StartWrite)]
         assert len(writes) == 1 and writes[0].dst_blocks == (7, 8) and writes[0].src_blocks == (1, 2)
         assert writes[0].order == ("registration_first" if reg_first else "prefill_first")
@@ -235,9 +278,9 @@ def test_registration_first_and_prefill_first_both_write_once():
 def test_superseded_attempt_is_never_written():
     s = SenderState(0, 1, 1, LEASE, TOMB)
     r = ReceiverState("D", 0, 1, 1, READY_TIMEOUT)
-    old = [a for a in r.expect("x", (1,), 10, 1, 0.0) if isinstance(a, SendRegistration)][0]
+    old = next(a for a in r.expect("x", (1,), 10, 1, 0.0) if isinstance(a, SendRegistration))
     new_actions = r.expect("x", (2,), 10, 1, 0.1)  # preempted: new blocks, new attempt
-    new = [a for a in new_actions if isinstance(a, SendRegistration)][0]
+    new = next(a for a in new_actions if isinstance(a, SendRegistration))
     assert new.message.attempt == old.message.attempt + 1
     s.on_registration(new.message, 0.2)
     assert s.on_registration(old.message, 0.3) == []  # late, stale: ignored
@@ -249,10 +292,13 @@ def test_lease_expiry_tells_decode_and_frees_source():
     s = SenderState(0, 1, 1, LEASE, TOMB)
     assert s.on_prefill_done("lonely", (3, 4), 10, 0.0) == []
     acts = s.on_tick(LEASE + 0.1)
-    assert acts == [ReleaseSource("lonely", (3, 4), False, 0,
-                                  f"lease expired: no registration from decode within {LEASE}s")]
+    assert acts == [
+        ReleaseSource(
+            "lonely", (3, 4), False, 0, f"lease expired: no registration from decode within {LEASE}s"
+        )
+    ]
     r = ReceiverState("D", 0, 1, 1, READY_TIMEOUT)
-    reg = [a for a in r.expect("lonely", (5,), 10, 1, LEASE + 1) if isinstance(a, SendRegistration)][0]
+    reg = next(a for a in r.expect("lonely", (5,), 10, 1, LEASE + 1) if isinstance(a, SendRegistration))
     late = s.on_registration(reg.message, LEASE + 1)
     assert len(late) == 1 and isinstance(late[0], NotifyFailure) and "released" in late[0].reason
 

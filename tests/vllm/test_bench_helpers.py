@@ -64,7 +64,11 @@ def test_idle_thread_accounting_sees_a_busy_thread_and_an_idle_one(tmp_path: Pat
     busy.start()
     idle.start()
     try:
-        snap = {"role": "prefill", "pid": os.getpid(), "threads": {"busy": busy.native_id, "idle": idle.native_id}}
+        snap = {
+            "role": "prefill",
+            "pid": os.getpid(),
+            "threads": {"busy": busy.native_id, "idle": idle.native_id},
+        }
         (tmp_path / "p-rank0.json").write_text(json.dumps(snap))
         threads = bench_vllm.kvpush_threads(tmp_path)
         assert set(threads) == {"prefill:busy", "prefill:idle"}

@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvpush.platforms.vllm.tools import client  # noqa: E402
-from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd, start_single  # noqa: E402
-from kvpush.platforms.vllm.tools.tiny_model import build  # noqa: E402
+from kvpush.platforms.vllm.tools import client
+from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd, start_single
+from kvpush.platforms.vllm.tools.tiny_model import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -109,17 +109,30 @@ def test_decode_received_kv_and_did_not_recompute_the_prompt(pd, model: str) -> 
     assert d["recv_failed"] == 0 and p["sent_failed"] == 0
 
 
-def _direct(url: str, model: str, prompt: str, params: dict, rid: str, max_tokens: int,
-            timeout: float = 120.0) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "kv_transfer_params": params, "return_token_ids": True}
+def _direct(
+    url: str, model: str, prompt: str, params: dict, rid: str, max_tokens: int, timeout: float = 120.0
+) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "kv_transfer_params": params,
+        "return_token_ids": True,
+    }
     return client.post_json(url + "/v1/completions", body, timeout, {"X-Request-Id": rid})
 
 
 def test_both_event_orders_occur(pd, single, model: str) -> None:
     prefill, decode = pd.engines
-    push = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id, "remote_host": "127.0.0.1",
-            "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1}
+    push = {
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.kv_port,
+        "tp_size": 1,
+        "pp_size": 1,
+    }
     prompt = client.make_prompts(1, [500], seed=3)[0]
     want = client.complete(single.url, model, prompt, 8)
     before = _stats(pd, "prefill")["order_counts"]
@@ -133,8 +146,11 @@ def test_both_event_orders_occur(pd, single, model: str) -> None:
     # registration first: the decode registers, then the prefill runs.
     rid = f"order-r-{uuid.uuid4().hex[:8]}"
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(
-        _direct(decode.url, model, prompt, dict(push, remote_request_id=rid), rid, 8)))
+    t = threading.Thread(
+        target=lambda: result.update(
+            _direct(decode.url, model, prompt, dict(push, remote_request_id=rid), rid, 8)
+        )
+    )
     t.start()
     time.sleep(1.5)
     _direct(prefill.url, model, prompt, {"do_remote_decode": True}, rid, 1)
@@ -142,8 +158,13 @@ def test_both_event_orders_occur(pd, single, model: str) -> None:
     assert result["choices"][0]["token_ids"] == want
 
     # the stats file is rewritten every 0.5 s: wait until it shows both orders (or time out)
-    after = _wait(lambda: (c := _stats(pd, "prefill")["order_counts"])["prefill_first"] > before.get(
-        "prefill_first", 0) and c.get("registration_first", 0) > before.get("registration_first", 0) and c)
+    after = _wait(
+        lambda: (
+            (c := _stats(pd, "prefill")["order_counts"])["prefill_first"] > before.get("prefill_first", 0)
+            and c.get("registration_first", 0) > before.get("registration_first", 0)
+            and c
+        )
+    )
     assert after["prefill_first"] > before.get("prefill_first", 0)
     assert after["registration_first"] > before.get("registration_first", 0)
 
@@ -160,14 +181,24 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
         client.complete(pd.url, model, prompt, 2000, timeout=0.3)
     # A decode whose prefill never comes: the client gives up while the decode waits for KV.
-    push = {"do_remote_prefill": True, "remote_engine_id": prefill.engine_id, "remote_host": "127.0.0.1",
-            "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1, "remote_request_id": "never"}
+    push = {
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.kv_port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": "never",
+    }
     with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
         _direct(decode.url, model, prompt, push, f"abort-{uuid.uuid4().hex[:8]}", 8, timeout=1.0)
     assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0, timeout=30), (
-        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}")
-    assert _wait(lambda: _stats(pd, "decode")["outstanding"] == 0 and _stats(pd, "prefill")["outstanding"] == 0,
-                 timeout=30)
+        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}"
+    )
+    assert _wait(
+        lambda: _stats(pd, "decode")["outstanding"] == 0 and _stats(pd, "prefill")["outstanding"] == 0,
+        timeout=30,
+    )
     # and the pair still serves
     assert len(client.complete(pd.url, model, "import os", 4)) == 4
 
@@ -175,10 +206,22 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
 def test_layout_mismatch_fails_at_startup(pd, logs: Path) -> None:
     prefill = pd.engines[0]
     other = str(build("realistic"))  # 32 layers, 1 KV head x 128: cannot take the fast model's KV
-    spec = EngineSpec("decode", other, free_port(), "1", "kvpush", "kvpush-mismatch", free_port(),
-                      max_model_len=4096, extra_config={"prefill_addresses": [
-                          {"engine_id": prefill.engine_id, "host": "127.0.0.1", "port": prefill.kv_port}],
-                          "connect_timeout_s": 60})
+    spec = EngineSpec(
+        "decode",
+        other,
+        free_port(),
+        "1",
+        "kvpush",
+        "kvpush-mismatch",
+        free_port(),
+        max_model_len=4096,
+        extra_config={
+            "prefill_addresses": [
+                {"engine_id": prefill.engine_id, "host": "127.0.0.1", "port": prefill.kv_port}
+            ],
+            "connect_timeout_s": 60,
+        },
+    )
     argv, env = spec.command()
     log_path = logs / "mismatch-decode.log"
     with open(log_path, "wb") as log:

@@ -66,8 +66,9 @@ def test_sockets_of_dead_engines_are_removed_and_live_ones_kept(tmp_path) -> Non
 
     from kvpush.platforms.vllm.wake import remove_stale_sockets
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     dead_pid = int(dead.stdout)
     (tmp_path / f"kvpush-wake-{dead_pid}-abc").write_text("")
     (tmp_path / f"kvpush-wake-{os.getpid()}-def").write_text("")
@@ -75,4 +76,5 @@ def test_sockets_of_dead_engines_are_removed_and_live_ones_kept(tmp_path) -> Non
     (tmp_path / "unrelated").write_text("")
     assert remove_stale_sockets(str(tmp_path)) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"kvpush-wake-{os.getpid()}-def", "kvpush-wake-notapid-x", "unrelated"])
+        [f"kvpush-wake-{os.getpid()}-def", "kvpush-wake-notapid-x", "unrelated"]
+    )

@@ -12,8 +12,14 @@ from typing import Any
 
 from kvpush.apps.bench.engines import MODES, PUSH
 
-QUICK = {"qps": "1,8", "input_lens": "1000,16000", "output_len": 64, "duration": 2.0, "min_requests": 4,
-         "max_requests": 16}
+QUICK = {
+    "qps": "1,8",
+    "input_lens": "1000,16000",
+    "output_len": 64,
+    "duration": 2.0,
+    "min_requests": 4,
+    "max_requests": 16,
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qps", default="1,2,4,8", help="request rates (Poisson arrivals)")
     parser.add_argument("--input-lens", default="1000,4000,8000,16000")
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--duration", type=float, default=8.0,
-                        help="seconds of arrivals per point (requests = qps * duration, clamped)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=8.0,
+        help="seconds of arrivals per point (requests = qps * duration, clamped)",
+    )
     parser.add_argument("--num-requests", type=int, default=0, help="fixed request count per point")
     parser.add_argument("--min-requests", type=int, default=8)
     parser.add_argument("--max-requests", type=int, default=64)
@@ -30,15 +40,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-model", default=None, help="TOML cost model (default: Qwen3-32B TP8 H200)")
-    parser.add_argument("--pull-descriptor-merge", choices=("in-order", "sorted"), default=None,
-                        help="override the cost model's pull descriptor count model")
-    parser.add_argument("--pool-aging-wraps", type=float, default=None,
-                        help="override the cost model's pool aging (0: fresh pools; 1: one wrap, block "
-                             "tables descending; 2: default, ascending)")
+    parser.add_argument(
+        "--pull-descriptor-merge",
+        choices=("in-order", "sorted"),
+        default=None,
+        help="override the cost model's pull descriptor count model",
+    )
+    parser.add_argument(
+        "--pool-aging-wraps",
+        type=float,
+        default=None,
+        help="override the cost model's pool aging (0: fresh pools; 1: one wrap, block "
+        "tables descending; 2: default, ascending)",
+    )
     parser.add_argument("--base-port", type=int, default=25600)
     parser.add_argument("--out", default="results", help="results folder")
-    parser.add_argument("--quick", action="store_true",
-                        help="qps 1,8 x input 1000,16000, output 64, few requests: < 3 minutes")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="qps 1,8 x input 1000,16000, output 64, few requests: < 3 minutes",
+    )
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -88,8 +109,12 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True, quiet=args.no_progress)
     ctx = mp.get_context("spawn")
     pairs: dict[str, EnginePair] = {}
-    summary: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "cost_model": cm.describe(),
-                               "points": [], "breakdown": {}}
+    summary: dict[str, Any] = {
+        "config": {k: v for k, v in vars(args).items()},
+        "cost_model": cm.describe(),
+        "points": [],
+        "breakdown": {},
+    }
     t_start = time.monotonic()
     try:
         console.log(f"starting {', '.join(modes)} engines")
@@ -106,8 +131,14 @@ def run(args: argparse.Namespace) -> int:
                 p.run_point(4.0, min(in_lens), 8, args.warmup, seed=10_000 + args.seed, tag="warmup")
         summary["transport_impl"] = "kvpush.transport.nixl.NixlTransport"
         points = [(it, q, n) for it in range(args.iterations) for n in in_lens for q in qps_list]
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      TimeElapsedColumn(), console=console, disable=args.no_progress) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=args.no_progress,
+        ) as progress:
             task = progress.add_task("sweep", total=len(points) * len(modes))
             for it, q, n_in in points:
                 if args.num_requests:
@@ -115,22 +146,50 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     n_req = max(args.min_requests, min(args.max_requests, round(q * args.duration)))
                 seed = args.seed * 1_000_003 + it * 7919 + int(q * 100) * 31 + n_in  # same for every mode
-                row: dict[str, Any] = {"qps": q, "input_len": n_in, "output_len": args.output_len,
-                                       "iteration": it, "num_requests": n_req}
+                row: dict[str, Any] = {
+                    "qps": q,
+                    "input_len": n_in,
+                    "output_len": args.output_len,
+                    "iteration": it,
+                    "num_requests": n_req,
+                }
                 for m in modes:  # modes interleaved point by point: machine noise hits all alike
                     progress.update(task, description=f"{m:>13} qps={_qtag(q)} in={n_in}")
                     cpu0 = pairs[m].cpu_s()
-                    recs, dur = pairs[m].run_point(q, n_in, args.output_len, n_req, seed, tag=f"{it}-{q}-{n_in}")
+                    recs, dur = pairs[m].run_point(
+                        q, n_in, args.output_len, n_req, seed, tag=f"{it}-{q}-{n_in}"
+                    )
                     res = summarize(recs, dur, n_in)
                     res["engine_cpu_s"] = {k: round(v - cpu0[k], 3) for k, v in pairs[m].cpu_s().items()}
                     res["load_avg"] = os.getloadavg()
-                    res.update({"backend": f"kvpush-bench-{m}", "mode": m, "model_id": "Qwen3-32B (emulated)",
-                                "request_rate": q, "burstiness": 1.0, "max_concurrency": None,
-                                "num_prompts": n_req, "input_len": n_in, "output_len": args.output_len,
-                                "iteration": it, "breakdown_ms": breakdown(recs)})
+                    res.update(
+                        {
+                            "backend": f"kvpush-bench-{m}",
+                            "mode": m,
+                            "model_id": "Qwen3-32B (emulated)",
+                            "request_rate": q,
+                            "burstiness": 1.0,
+                            "max_concurrency": None,
+                            "num_prompts": n_req,
+                            "input_len": n_in,
+                            "output_len": args.output_len,
+                            "iteration": it,
+                            "breakdown_ms": breakdown(recs),
+                        }
+                    )
                     (out / result_name(m, q, n_in, args.output_len, it)).write_text(json.dumps(res, indent=1))
-                    row[m] = {k: res[k] for k in ("completed", "failed", "median_ttft_ms", "median_tpot_ms",
-                                                  "mean_ttft_ms", "mean_tpot_ms", "p99_ttft_ms")}
+                    row[m] = {
+                        k: res[k]
+                        for k in (
+                            "completed",
+                            "failed",
+                            "median_ttft_ms",
+                            "median_tpot_ms",
+                            "mean_ttft_ms",
+                            "mean_tpot_ms",
+                            "p99_ttft_ms",
+                        )
+                    }
                     row[m]["breakdown_ms"] = res["breakdown_ms"]
                     progress.advance(task)
                 if PUSH in row:
@@ -138,8 +197,9 @@ def run(args: argparse.Namespace) -> int:
                         if m != PUSH and m in row:
                             for metric in ("ttft", "tpot"):
                                 den = row[PUSH][f"median_{metric}_ms"]
-                                row[f"{m}/push_median_{metric}"] = (row[m][f"median_{metric}_ms"] / den
-                                                                   if den else None)
+                                row[f"{m}/push_median_{metric}"] = (
+                                    row[m][f"median_{metric}_ms"] / den if den else None
+                                )
                 summary["points"].append(row)
                 (out / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
@@ -162,8 +222,10 @@ def markdown_table(summary: dict[str, Any], modes: list[str]) -> str:
     for row in summary["points"]:
         cells = [str(row["input_len"]), _qtag(row["qps"])]
         cells += [f"{row[m]['median_ttft_ms']:.0f} / {row[m]['median_tpot_ms']:.2f}" for m in modes]
-        cells += [f"{row[f'{m}/push_median_ttft'] or 0:.2f}, {row[f'{m}/push_median_tpot'] or 0:.2f}"
-                  for m in ratio_modes]
+        cells += [
+            f"{row[f'{m}/push_median_ttft'] or 0:.2f}, {row[f'{m}/push_median_tpot'] or 0:.2f}"
+            for m in ratio_modes
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -190,4 +252,3 @@ def _print_table(console: Any, summary: dict[str, Any], modes: list[str]) -> Non
             cells += [f"{row[f'{m}/push_median_ttft'] or 0:.2f}", f"{row[f'{m}/push_median_tpot'] or 0:.2f}"]
         t.add_row(*cells)
     Console(width=240).print(t)
-

@@ -56,9 +56,12 @@ class CostModel:
             return 0.0
         tokens = sum(n for _, n in chunks)
         ctx = sum(n * (start + n / 2.0) for start, n in chunks)
-        ms = (self._get("prefill", "step_fixed_ms") + self._get("prefill", "per_token_ms") * tokens
-              + self._get("prefill", "per_token_ctx_ms") * ctx)
-        return ms / 1e3
+        ms = (
+            self._get("prefill", "step_fixed_ms")
+            + self._get("prefill", "per_token_ms") * tokens
+            + self._get("prefill", "per_token_ctx_ms") * ctx
+        )
+        return float(ms / 1e3)
 
     def prefill_alone_s(self, tokens: int) -> float:
         """Compute time of one prompt alone (for reports), chunked like the engine does."""
@@ -72,10 +75,13 @@ class CostModel:
 
     def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
         if batch == 0:
-            return self._get("decode", "empty_step_ms") / 1e3
-        ms = (self._get("decode", "step_fixed_ms") + self._get("decode", "per_seq_ms") * batch
-              + self._get("decode", "per_ctx_token_ms") * ctx_tokens)
-        return ms / 1e3
+            return float(self._get("decode", "empty_step_ms") / 1e3)
+        ms = (
+            self._get("decode", "step_fixed_ms")
+            + self._get("decode", "per_seq_ms") * batch
+            + self._get("decode", "per_ctx_token_ms") * ctx_tokens
+        )
+        return float(ms / 1e3)
 
     @property
     def empty_step_s(self) -> float:
@@ -104,19 +110,25 @@ class CostModel:
         lens = [int(x) for x in em.get("age_input_lens", [1000, 4000, 8000, 16000])]
         out = int(em.get("age_output_len", 128)) if role == "decode" else 0
         if wraps > 0:
-            pool.age([blocks_for(n + out, lay.block_size) for n in lens],
-                     int(self._get(role, "max_num_seqs")), int(wraps * lay.num_blocks))
+            pool.age(
+                [blocks_for(n + out, lay.block_size) for n in lens],
+                int(self._get(role, "max_num_seqs")),
+                int(wraps * lay.num_blocks),
+            )
         return pool
 
     # ---- network ----------------------------------------------------------------------------------
     def post_cost_s(self, num_descriptors: int) -> float:
         """CPU time a NIC's postXfer keeps the posting thread busy (not the copy itself)."""
-        us = (self._get("network", "post_fixed_us")
-              + self._get("network", "post_us_per_descriptor") * num_descriptors)
-        return us / 1e6
+        us = (
+            self._get("network", "post_fixed_us")
+            + self._get("network", "post_us_per_descriptor") * num_descriptors
+        )
+        return float(us / 1e6)
 
-    def posted_descriptors(self, plan_descs: int, src_blocks: list[int], dst_blocks: list[int],
-                           layout: KVLayout) -> int:
+    def posted_descriptors(
+        self, plan_descs: int, src_blocks: list[int], dst_blocks: list[int], layout: KVLayout
+    ) -> int:
         """How many descriptors vLLM's pull posts for this block pairing.
 
         "in-order" (vLLM + NIXL): one descriptor per (K|V plane, block) in block-table order; NIXL merges
@@ -131,8 +143,9 @@ class CostModel:
         return (breaks + 1) * layout.num_layers * layout.kv_per_layer
 
     @staticmethod
-    def sorted_descriptors(src_blocks: list[int], dst_blocks: list[int], num_tokens: int,
-                           layout: KVLayout) -> int:
+    def sorted_descriptors(
+        src_blocks: list[int], dst_blocks: list[int], num_tokens: int, layout: KVLayout
+    ) -> int:
         """How many descriptors kvpush's planner (kvpush.protocol.plan.build_plan) posts for this pairing.
 
         It sorts the (source, destination) block pairs by source and merges runs contiguous on both
@@ -154,7 +167,9 @@ class CostModel:
 
     def reference_transfer_s(self, num_tokens: int) -> float:
         """What the real (unscaled) bytes would take on the reference per-rank link."""
-        return num_tokens * self.real_bytes_per_token / (self._get("network", "per_rank_gbytes_s") * 1e9)
+        return float(
+            num_tokens * self.real_bytes_per_token / (self._get("network", "per_rank_gbytes_s") * 1e9)
+        )
 
     # ---- geometry ---------------------------------------------------------------------------------
     @property
@@ -183,16 +198,30 @@ class CostModel:
         if dtype == 1:
             head_dim = unit // scale
         blocks = int(self._get("emulation", f"{role}_num_blocks"))
-        return KVLayout(num_layers=m["num_layers"], block_size=m["block_size"], num_blocks=blocks,
-                        total_kv_heads=m["total_kv_heads"], head_dim=head_dim, dtype_size=dtype,
-                        tp_rank=0, tp_size=m["tp_size"], model_tag=f"{m['name']}/scaled1:{scale}")
+        return KVLayout(
+            num_layers=m["num_layers"],
+            block_size=m["block_size"],
+            num_blocks=blocks,
+            total_kv_heads=m["total_kv_heads"],
+            head_dim=head_dim,
+            dtype_size=dtype,
+            tp_rank=0,
+            tp_size=m["tp_size"],
+            model_tag=f"{m['name']}/scaled1:{scale}",
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"source": self.source, "prefill_16k_ms": round(self.prefill_alone_s(16000) * 1e3, 1),
-                "prefill_1k_ms": round(self.prefill_alone_s(1000) * 1e3, 1),
-                "decode_step_b1_ms": round(self.decode_step_s(1, 1000) * 1e3, 2),
-                "wire_16k_ms": round(self.reference_transfer_s(16000) * 1e3, 2),
-                "pool_bytes": {r: self.layout(r).bytes_per_token * self.layout(r).block_size
-                               * self.layout(r).num_blocks for r in ("prefill", "decode")},
-                "real_kv_bytes_per_token_per_rank": self.real_bytes_per_token,
-                "kv_bytes_scale": self.kv_bytes_scale, **{k: v for k, v in self.raw.items()}}
+        return {
+            "source": self.source,
+            "prefill_16k_ms": round(self.prefill_alone_s(16000) * 1e3, 1),
+            "prefill_1k_ms": round(self.prefill_alone_s(1000) * 1e3, 1),
+            "decode_step_b1_ms": round(self.decode_step_s(1, 1000) * 1e3, 2),
+            "wire_16k_ms": round(self.reference_transfer_s(16000) * 1e3, 2),
+            "pool_bytes": {
+                r: self.layout(r).bytes_per_token * self.layout(r).block_size * self.layout(r).num_blocks
+                for r in ("prefill", "decode")
+            },
+            "real_kv_bytes_per_token_per_rank": self.real_bytes_per_token,
+            "kv_bytes_scale": self.kv_bytes_scale,
+            **{k: v for k, v in self.raw.items()},
+        }

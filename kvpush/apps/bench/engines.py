@@ -45,7 +45,9 @@ def _debug_logging() -> None:
     if os.environ.get("KVPUSH_BENCH_DEBUG"):
         import logging
 
-        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)9.1f %(processName)s %(message)s")
+        logging.basicConfig(
+            level=logging.WARNING, format="%(relativeCreated)9.1f %(processName)s %(message)s"
+        )
         logging.getLogger("kvpush").setLevel(logging.DEBUG)
 
 
@@ -216,7 +218,7 @@ def prefill_main(mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, po
     try:
         _debug_logging()
         _PrefillEngine(mode, cm_path, inbox, outbox, acct, port).run()
-    except Exception:  # pragma: no cover - surfaced to the router
+    except Exception:  # noqa: BLE001 - any failure is surfaced to the router, which stops the run
         outbox.put({"type": "error", "role": "prefill", "mode": mode, "trace": traceback.format_exc()})
 
 
@@ -250,8 +252,11 @@ class _PrefillEngine:
         self.transport = _new_transport(f"bench-pull-prefill-{self.port}")
         self.transport.register(self.layout.regions, "DRAM")
         addr = f"tcp://127.0.0.1:{self.port}"
-        payload = {"metadata": self.transport.metadata(), "base_addr": self.layout.regions[0].addr,
-                   "engine_id": f"bench-prefill-{self.port}"}
+        payload = {
+            "metadata": self.transport.metadata(),
+            "base_addr": self.layout.regions[0].addr,
+            "engine_id": f"bench-prefill-{self.port}",
+        }
         _serve_handshake(addr, payload, self.stop)
         self._notifs: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         threading.Thread(target=self._nixl_progress, name="nixl-progress", daemon=True).start()
@@ -366,11 +371,21 @@ class _PrefillEngine:
                     self.outbox.put({"type": "prefill_done", "id": r.id, "stats": r.stats})
                 else:
                     # vLLM request_finished(): delay_free_blocks=True, kv_transfer_params to the router
-                    self.outbox.put({"type": "prefill_done", "id": r.id, "stats": r.stats,
-                                     "kv_params": {"remote_block_ids": r.blocks,
-                                                   "remote_engine_id": f"bench-prefill-{self.port}",
-                                                   "remote_host": "127.0.0.1", "remote_port": self.port,
-                                                   "remote_request_id": r.id, "tp_size": 1}})
+                    self.outbox.put(
+                        {
+                            "type": "prefill_done",
+                            "id": r.id,
+                            "stats": r.stats,
+                            "kv_params": {
+                                "remote_block_ids": r.blocks,
+                                "remote_engine_id": f"bench-prefill-{self.port}",
+                                "remote_host": "127.0.0.1",
+                                "remote_port": self.port,
+                                "remote_request_id": r.id,
+                                "tp_size": 1,
+                            },
+                        }
+                    )
 
     def _close(self) -> None:
         self.stop.set()
@@ -383,18 +398,20 @@ class _PrefillEngine:
 # ====================================================================================================
 # decode engine
 # ====================================================================================================
-def decode_main(mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any,
-                prefill_info: dict[str, Any]) -> None:
+def decode_main(
+    mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, prefill_info: dict[str, Any]
+) -> None:
     try:
         _debug_logging()
         _DecodeEngine(mode, cm_path, inbox, outbox, acct, prefill_info).run()
-    except Exception:  # pragma: no cover
+    except Exception:  # noqa: BLE001 - any failure is surfaced to the router, which stops the run
         outbox.put({"type": "error", "role": "decode", "mode": mode, "trace": traceback.format_exc()})
 
 
 class _DecodeEngine:
-    def __init__(self, mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any,
-                 prefill_info: dict[str, Any]):
+    def __init__(
+        self, mode: str, cm_path: Any, inbox: Any, outbox: Any, acct: Any, prefill_info: dict[str, Any]
+    ):
         from kvpush.apps.bench.costmodel import CostModel
         from kvpush.backends.host import HostKVCache
 
@@ -430,12 +447,14 @@ class _DecodeEngine:
             from kvpush.config import KVPushConfig
             from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 
-            cfg = KVPushConfig(engine_id=f"bench-decode-{self.prefill_info['port']}",
-                               port=self.prefill_info["port"] + 50)
+            cfg = KVPushConfig(
+                engine_id=f"bench-decode-{self.prefill_info['port']}", port=self.prefill_info["port"] + 50
+            )
             self.endpoint = DecodeEndpoint(cfg, self.layout)
             self.endpoint.start()
-            self.prefill_addr = PrefillAddress(self.prefill_info["engine_id"], self.prefill_info["host"],
-                                               self.prefill_info["port"])
+            self.prefill_addr = PrefillAddress(
+                self.prefill_info["engine_id"], self.prefill_info["host"], self.prefill_info["port"]
+            )
             return
         self.transport = _new_transport(f"bench-pull-decode-{self.prefill_info['port']}")
         self.transport.register(self.layout.regions, "DRAM")
@@ -498,21 +517,37 @@ class _DecodeEngine:
         t0 = time.monotonic()
         assert r.kv_params is not None
         nb = blocks_for(r.prompt_len, self.layout.block_size)
-        plan = build_plan(self.remote_layout, self.layout, r.kv_params["remote_block_ids"], r.blocks[:nb],
-                          r.prompt_len)
+        plan = build_plan(
+            self.remote_layout, self.layout, r.kv_params["remote_block_ids"], r.blocks[:nb], r.prompt_len
+        )
         local, remote = plan.nixl_descs()[1], plan.nixl_descs()[0]
         t1 = time.monotonic()
-        posted_descs = self.cm.posted_descriptors(plan.num_descriptors, r.kv_params["remote_block_ids"],
-                                                  r.blocks[:nb], self.layout)
+        posted_descs = self.cm.posted_descriptors(
+            plan.num_descriptors, r.kv_params["remote_block_ids"], r.blocks[:nb], self.layout
+        )
         post = self.cm.post_cost_s(posted_descs)
         _sleep_until(t1 + post)  # the posting thread is busy for what a NIC's postXfer would cost
         t2 = time.monotonic()
         if charge_loop:
             self.loop_charged_s += t2 - t0
-        job = _NicJob(r.id, self.peer, local, remote, f"{r.kv_params['remote_request_id']}:1".encode(),
-                      plan.nbytes, wire_s=self.cm.reference_transfer_s(r.prompt_len))
-        r.stats.update(read_start=t0, descs=posted_descs, plan_descs=plan.num_descriptors, desc_build_s=t1 - t0,
-                       post_model_s=post, wire_model_s=job.wire_s, nbytes=plan.nbytes)
+        job = _NicJob(
+            r.id,
+            self.peer,
+            local,
+            remote,
+            f"{r.kv_params['remote_request_id']}:1".encode(),
+            plan.nbytes,
+            wire_s=self.cm.reference_transfer_s(r.prompt_len),
+        )
+        r.stats.update(
+            read_start=t0,
+            descs=posted_descs,
+            plan_descs=plan.num_descriptors,
+            desc_build_s=t1 - t0,
+            post_model_s=post,
+            wire_model_s=job.wire_s,
+            nbytes=plan.nbytes,
+        )
         self._jobs[r.id] = job
         self.nic.jobs.put(job)
 
@@ -553,8 +588,9 @@ class _DecodeEngine:
                     post, wire = self.cm.post_cost_s(descs), self.cm.reference_transfer_s(r.prompt_len)
                     self._post_free_at = max(ready_at, self._post_free_at) + post
                     self._link_free_at = max(self._post_free_at, self._link_free_at) + wire
-                    r.stats.update(descs=descs, post_model_s=post, wire_model_s=wire,
-                                   model_ready_at=self._link_free_at)
+                    r.stats.update(
+                        descs=descs, post_model_s=post, wire_model_s=wire, model_ready_at=self._link_free_at
+                    )
                 if now < r.stats["model_ready_at"]:
                     break
                 self._push_pending.pop(0)
@@ -567,8 +603,12 @@ class _DecodeEngine:
                 r = self.waiting_kv[rid]
                 if job.error:
                     r.stats["error"] = job.error
-                r.stats.update(post_call_s=job.post_call_s, nic_posted=job.posted_at,
-                               kv_ready_core=job.copy_done_at, model_ready_at=job.done_at)
+                r.stats.update(
+                    post_call_s=job.post_call_s,
+                    nic_posted=job.posted_at,
+                    kv_ready_core=job.copy_done_at,
+                    model_ready_at=job.done_at,
+                )
                 out.append(rid)
         return out
 
@@ -581,16 +621,20 @@ class _DecodeEngine:
             active = bool(self.running or self.waiting_kv or self.ready or self.new)
             try:
                 while True:
-                    msg = self.inbox.get(timeout=(0.0005 if active else 0.05)) if not active else \
-                        self.inbox.get_nowait()
+                    msg = (
+                        self.inbox.get(timeout=(0.0005 if active else 0.05))
+                        if not active
+                        else self.inbox.get_nowait()
+                    )
                     if msg["type"] == "stop":
                         self._close()
                         return
                     if msg["type"] == "stats":
                         self.outbox.put({"type": "decode_stats", "loop_charged_s": self.loop_charged_s})
                         continue
-                    r = Req(msg["id"], msg["prompt_len"], msg["output_len"], msg["arrival"],
-                            msg.get("kv_params"))
+                    r = Req(
+                        msg["id"], msg["prompt_len"], msg["output_len"], msg["arrival"], msg.get("kv_params")
+                    )
                     r.stats["decode_recv"] = time.monotonic()
                     self.new.append(r)
                     active = True
@@ -629,7 +673,9 @@ class _DecodeEngine:
                 r.tokens.append(now)
                 if len(r.tokens) >= r.output_len:
                     done.append(r)
-                elif blocks_for(r.prompt_len + len(r.tokens) + 1, bs) > len(r.blocks) and self.pool.can_allocate(1):
+                elif blocks_for(r.prompt_len + len(r.tokens) + 1, bs) > len(
+                    r.blocks
+                ) and self.pool.can_allocate(1):
                     r.blocks += self.pool.allocate(1)
             for r in done:
                 self.running.remove(r)

@@ -7,17 +7,31 @@ from typing import Any
 import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-REQUIRED_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-                 *(f"{s}_{m}_ms" for m in METRICS for s in ("mean", "median", "std", "p99")))
+REQUIRED_KEYS = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    *(f"{s}_{m}_ms" for m in METRICS for s in ("mean", "median", "std", "p99")),
+)
 
 
 def _stats(prefix: str, xs_s: list[float]) -> dict[str, float]:
     a = np.asarray(xs_s, dtype=float) * 1e3
     if a.size == 0:
-        return {f"mean_{prefix}_ms": 0.0, f"median_{prefix}_ms": 0.0, f"std_{prefix}_ms": 0.0,
-                f"p99_{prefix}_ms": 0.0}
-    return {f"mean_{prefix}_ms": float(a.mean()), f"median_{prefix}_ms": float(np.median(a)),
-            f"std_{prefix}_ms": float(a.std()), f"p99_{prefix}_ms": float(np.percentile(a, 99))}
+        return {
+            f"mean_{prefix}_ms": 0.0,
+            f"median_{prefix}_ms": 0.0,
+            f"std_{prefix}_ms": 0.0,
+            f"p99_{prefix}_ms": 0.0,
+        }
+    return {
+        f"mean_{prefix}_ms": float(a.mean()),
+        f"median_{prefix}_ms": float(np.median(a)),
+        f"std_{prefix}_ms": float(a.std()),
+        f"p99_{prefix}_ms": float(np.percentile(a, 99)),
+    }
 
 
 def summarize(records: list[dict[str, Any]], duration: float, input_len: int) -> dict[str, Any]:
@@ -29,8 +43,11 @@ def summarize(records: list[dict[str, Any]], duration: float, input_len: int) ->
     itls = [b - a for r in ok for a, b in zip(r["tokens"], r["tokens"][1:], strict=False)]
     out_tokens = sum(len(r["tokens"]) for r in ok)
     res: dict[str, Any] = {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration": duration,
-        "total_input_tokens": input_len * len(ok), "total_output_tokens": out_tokens,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration": duration,
+        "total_input_tokens": input_len * len(ok),
+        "total_output_tokens": out_tokens,
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "output_throughput": out_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (out_tokens + input_len * len(ok)) / duration if duration > 0 else 0.0,

@@ -8,7 +8,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-NAME = re.compile(r"^(?P<mode>[a-z-]+)_qps(?P<qps>[0-9.]+)_in(?P<inl>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$")
+NAME = re.compile(
+    r"^(?P<mode>[a-z-]+)_qps(?P<qps>[0-9.]+)_in(?P<inl>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$"
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def load(results_dir: Path, metric: str, stat: str) -> dict[int, dict[str, dict[float, list[float]]]]:
-    data: dict[int, dict[str, dict[float, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
+    data: dict[int, dict[str, dict[float, list[float]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list))
+    )
     for f in sorted(results_dir.glob("*.json")):
         m = NAME.match(f.name)
         if not m:
@@ -55,9 +59,11 @@ def run(args: argparse.Namespace) -> int:
         ax.set_ylabel(f"{args.stat} {args.metric.upper()} (ms)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    for ax in axes.ravel()[len(lens):]:
+    for ax in axes.ravel()[len(lens) :]:
         ax.axis("off")
-    fig.suptitle(f"kvpush bench (emulated Qwen3-32B TP8, 1P1D): {args.stat} {args.metric.upper()}, push vs pull")
+    fig.suptitle(
+        f"kvpush bench (emulated Qwen3-32B TP8, 1P1D): {args.stat} {args.metric.upper()}, push vs pull"
+    )
     fig.tight_layout()
     out = Path(args.out) if args.out else rd / f"{args.metric}.png"
     fig.savefig(out, dpi=110)

@@ -7,6 +7,7 @@ router forwards the request to decode (vLLM's toy_proxy_server for NixlConnector
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -46,8 +47,12 @@ class EnginePair:
         self.ctx = ctx
         self.pf_in, self.pf_out = ctx.Queue(), ctx.Queue()
         self.dec_in, self.dec_out, self.acct = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        p = ctx.Process(target=prefill_main, name=f"prefill-{self.mode}", daemon=True,
-                        args=(self.mode, self.cm_path, self.pf_in, self.pf_out, self.acct, self.port))
+        p = ctx.Process(
+            target=prefill_main,
+            name=f"prefill-{self.mode}",
+            daemon=True,
+            args=(self.mode, self.cm_path, self.pf_in, self.pf_out, self.acct, self.port),
+        )
         p.start()
         self.procs.append(p)
 
@@ -58,8 +63,12 @@ class EnginePair:
     def start_decode(self, ctx: Any, wait: bool = True) -> None:
         if not hasattr(self, "prefill_info"):
             self.wait_prefill()
-        d = ctx.Process(target=decode_main, name=f"decode-{self.mode}", daemon=True,
-                        args=(self.mode, self.cm_path, self.dec_in, self.dec_out, self.acct, self.prefill_info))
+        d = ctx.Process(
+            target=decode_main,
+            name=f"decode-{self.mode}",
+            daemon=True,
+            args=(self.mode, self.cm_path, self.dec_in, self.dec_out, self.acct, self.prefill_info),
+        )
         d.start()
         self.procs.append(d)
         if wait:
@@ -77,8 +86,16 @@ class EnginePair:
             raise BenchError(f"{self.mode} {role} engine failed:\n{msg['trace']}")
         return msg
 
-    def run_point(self, qps: float, input_len: int, output_len: int, n: int, seed: int,
-                  timeout_s: float = 300.0, tag: str = "") -> tuple[list[dict[str, Any]], float]:
+    def run_point(
+        self,
+        qps: float,
+        input_len: int,
+        output_len: int,
+        n: int,
+        seed: int,
+        timeout_s: float = 300.0,
+        tag: str = "",
+    ) -> tuple[list[dict[str, Any]], float]:
         times = arrivals(qps, n, seed)
         records: dict[str, dict[str, Any]] = {}
         pending = threading.Semaphore(0)
@@ -102,9 +119,16 @@ class EnginePair:
                 rec["prefill_stats"] = msg["stats"]
                 if self.mode != PUSH:  # pull: forward the prefill's response to decode
                     rec["forwarded"] = time.monotonic()
-                    self.dec_in.put({"type": "req", "id": msg["id"], "prompt_len": input_len,
-                                     "output_len": output_len, "arrival": rec["arrival"],
-                                     "kv_params": msg["kv_params"]})
+                    self.dec_in.put(
+                        {
+                            "type": "req",
+                            "id": msg["id"],
+                            "prompt_len": input_len,
+                            "output_len": output_len,
+                            "arrival": rec["arrival"],
+                            "kv_params": msg["kv_params"],
+                        }
+                    )
 
         def on_decode() -> None:
             while not stop.is_set():
@@ -125,7 +149,10 @@ class EnginePair:
                     rec["error"] = msg["stats"]["error"]
                 pending.release()
 
-        threads = [threading.Thread(target=on_prefill, daemon=True), threading.Thread(target=on_decode, daemon=True)]
+        threads = [
+            threading.Thread(target=on_prefill, daemon=True),
+            threading.Thread(target=on_decode, daemon=True),
+        ]
         for t in threads:
             t.start()
         t0 = time.monotonic() + 0.05
@@ -136,7 +163,13 @@ class EnginePair:
                 time.sleep(d)
             now = time.monotonic()
             records[rid] = {"arrival": now, "tokens": []}
-            msg = {"type": "req", "id": rid, "prompt_len": input_len, "output_len": output_len, "arrival": now}
+            msg = {
+                "type": "req",
+                "id": rid,
+                "prompt_len": input_len,
+                "output_len": output_len,
+                "arrival": now,
+            }
             self.pf_in.put(msg)
             if self.mode == PUSH:  # concurrent dispatch
                 self.dec_in.put(msg)
@@ -144,12 +177,17 @@ class EnginePair:
         for _ in range(n):
             if not pending.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 stop.set()
-                raise BenchError(f"{self.mode} qps={qps} in={input_len}: requests did not finish in {timeout_s}s")
+                raise BenchError(
+                    f"{self.mode} qps={qps} in={input_len}: requests did not finish in {timeout_s}s"
+                )
             if errors:
                 stop.set()
                 raise BenchError(f"{self.mode} engine failed:\n{errors[0]}")
-        duration = max(r["tokens"][-1] for r in records.values() if r["tokens"]) - t0 \
-            if any(r["tokens"] for r in records.values()) else 0.0
+        duration = (
+            max(r["tokens"][-1] for r in records.values() if r["tokens"]) - t0
+            if any(r["tokens"] for r in records.values())
+            else 0.0
+        )
         stop.set()
         for t in threads:
             t.join()
@@ -162,7 +200,8 @@ class EnginePair:
         out = {}
         for role, p in zip(("prefill", "decode"), self.procs, strict=False):
             try:
-                fields = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
                 out[role] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
             except (OSError, IndexError, ValueError):
                 out[role] = 0.0
@@ -170,10 +209,8 @@ class EnginePair:
 
     def stop(self, join: bool = True) -> None:
         for q in (self.pf_in, self.dec_in):
-            try:
+            with contextlib.suppress(Exception):
                 q.put({"type": "stop"})
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         if join:
             self.join()
 
@@ -195,10 +232,23 @@ def breakdown(records: list[dict[str, Any]]) -> dict[str, float]:
     prefill_done_to_read_start (router forward, decode scheduling, handshake), read_start_to_nic
     (descriptor building + modelled post on the posting thread), post_call (the real NIXL call).
     """
-    keys: dict[str, list[float]] = {k: [] for k in (
-        "prefill_queue_ms", "prefill_compute_ms", "prefill_done_to_read_start_ms", "read_start_to_nic_ms",
-        "prefill_done_to_kv_ready_ms", "kv_ready_to_model_ready_ms", "model_ready_to_seen_ms",
-        "seen_to_first_token_ms", "descs", "post_model_ms", "wire_model_ms", "post_call_ms")}
+    keys: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "prefill_queue_ms",
+            "prefill_compute_ms",
+            "prefill_done_to_read_start_ms",
+            "read_start_to_nic_ms",
+            "prefill_done_to_kv_ready_ms",
+            "kv_ready_to_model_ready_ms",
+            "model_ready_to_seen_ms",
+            "seen_to_first_token_ms",
+            "descs",
+            "post_model_ms",
+            "wire_model_ms",
+            "post_call_ms",
+        )
+    }
     for r in records:
         ps, ds = r.get("prefill_stats", {}), r.get("stats", {})
         if not r["tokens"] or "prefill_done" not in ps or "kv_ready_seen" not in ds:

@@ -6,6 +6,7 @@ size measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -39,12 +40,20 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype-size", type=int, default=2)
     p.add_argument("--token-order", choices=["NHD", "HND"], default="NHD")
     p.add_argument("--window", type=int, default=4, help="requests in flight at once")
-    p.add_argument("--run-blocks", type=int, default=8,
-                   help="free lists are shuffled runs of this many blocks (1 = fully random)")
+    p.add_argument(
+        "--run-blocks",
+        type=int,
+        default=8,
+        help="free lists are shuffled runs of this many blocks (1 = fully random)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="prefill side-channel base port (0: pick free)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the KV caches live: host DRAM or CUDA VRAM (registered as VRAM)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the KV caches live: host DRAM or CUDA VRAM (registered as VRAM)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
 
 
@@ -54,7 +63,7 @@ def _free_port_range(n: int) -> int:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
         if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
-            return base
+            return int(base)
     raise RuntimeError("no free port range on 127.0.0.1")
 
 
@@ -113,25 +122,40 @@ def run(args: argparse.Namespace) -> int:
         console.print("[red]--min-tokens must be >= 1 and <= --max-tokens")
         return 2
     rng = random.Random(args.seed)
-    reqs = [_Req(f"req-{i}", rng.randint(args.min_tokens, args.max_tokens), i + 1, i % 2 == 0)
-            for i in range(args.requests)]
+    reqs = [
+        _Req(f"req-{i}", rng.randint(args.min_tokens, args.max_tokens), i + 1, i % 2 == 0)
+        for i in range(args.requests)
+    ]
     rng.shuffle(reqs)
     slack = 1.5
     p_blocks = int(args.window * -(-args.max_tokens // args.prefill_block_size) * slack) + 64
     d_blocks = int(args.window * -(-args.max_tokens // args.decode_block_size) * slack) + 64
-    common = dict(layers=args.layers, total_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                  dtype_size=args.dtype_size, token_order=args.token_order)
-    p_geo = Geometry(block_size=args.prefill_block_size, num_blocks=p_blocks, tp_size=args.prefill_tp, **common)
+    common = dict(
+        layers=args.layers,
+        total_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype_size=args.dtype_size,
+        token_order=args.token_order,
+    )
+    p_geo = Geometry(
+        block_size=args.prefill_block_size, num_blocks=p_blocks, tp_size=args.prefill_tp, **common
+    )
     d_geo = Geometry(block_size=args.decode_block_size, num_blocks=d_blocks, tp_size=args.decode_tp, **common)
     port = args.port or _free_port_range(args.prefill_tp)
 
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    p_proc = ctx.Process(target=prefill_main, args=(p_child, p_geo, port, args.seed, args.run_blocks, args.device),
-                         name="kvpush-demo-prefill")
-    d_proc = ctx.Process(target=decode_main, args=(d_child, d_geo, args.seed, args.run_blocks, args.prefill_tp, args.device),
-                         name="kvpush-demo-decode")
+    p_proc = ctx.Process(
+        target=prefill_main,
+        args=(p_child, p_geo, port, args.seed, args.run_blocks, args.device),
+        name="kvpush-demo-prefill",
+    )
+    d_proc = ctx.Process(
+        target=decode_main,
+        args=(d_child, d_geo, args.seed, args.run_blocks, args.prefill_tp, args.device),
+        name="kvpush-demo-decode",
+    )
     p_proc.start()
     d_proc.start()
     peers = _Peers(p_conn, d_conn)
@@ -148,10 +172,8 @@ def run(args: argparse.Namespace) -> int:
         d_stats = peers.expect_reply(d_conn, "stats")
     finally:
         for conn in (p_conn, d_conn):
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
         for proc in (p_proc, d_proc):
             proc.join(timeout=20)
             if proc.is_alive():
@@ -173,7 +195,7 @@ def _raw_write(peers: _Peers, nbytes: int) -> float:
         posted_at = peers.expect_reply(peers.p, "raw_written")[1]
         notified_at = peers.expect_reply(peers.d, "raw_notified")[1]
         rates.append(nbytes / max(notified_at - posted_at, 1e-9) / 1e9)
-    return statistics.median(rates)
+    return float(statistics.median(rates))
 
 
 def _drive(peers: _Peers, reqs: list[_Req], address: tuple[Any, ...], window: int, console: Console) -> None:
@@ -183,11 +205,17 @@ def _drive(peers: _Peers, reqs: list[_Req], address: tuple[Any, ...], window: in
     go out in each request's event order and the transfers overlap; the byte-by-byte verification runs
     after the wave, so the harness's own numpy work never competes with the transfers it times.
     """
-    with Progress(TextColumn("push"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("push"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task("requests", total=len(reqs))
         for start in range(0, len(reqs), window):
-            wave = reqs[start:start + window]
+            wave = reqs[start : start + window]
             for r in wave:
                 peers.p.send(("prepare", r.rid, r.n, r.tag))
             for _ in wave:
@@ -236,8 +264,9 @@ def _p99(values: list[float]) -> float:
     return values[0] if values else 0.0
 
 
-def _report(args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats: Any, d_stats: Any,
-            console: Console) -> int:
+def _report(
+    args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats: Any, d_stats: Any, console: Console
+) -> int:
     verified = sum(1 for r in reqs if r.ok and r.wrong == 0)
     failed = sum(1 for r in reqs if not r.ok)
     total_bytes = sum(r.nbytes for r in reqs if r.ok)
@@ -246,24 +275,50 @@ def _report(args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats
     gbps = total_bytes / max(_busy_union(spans), 1e-9) / 1e9
     pst = p_stats[1]
     summary = {
-        "device": args.device, "requests": len(reqs), "verified": verified, "failed": failed, "bytes": total_bytes,
-        "gbps": round(gbps, 3), "raw_gbps": round(raw_gbps, 3), "push_over_raw": round(gbps / raw_gbps, 3),
-        "descriptors": pst["descriptors"], "blocks": pst["blocks"],
-        "ready_after_prefill_ms": {"p50": round(statistics.median(lat), 3) if lat else 0.0,
-                                   "p99": round(_p99(lat), 3)},
-        "event_orders": {"registration_first": pst["registration_first"], "prefill_first": pst["prefill_first"]},
+        "device": args.device,
+        "requests": len(reqs),
+        "verified": verified,
+        "failed": failed,
+        "bytes": total_bytes,
+        "gbps": round(gbps, 3),
+        "raw_gbps": round(raw_gbps, 3),
+        "push_over_raw": round(gbps / raw_gbps, 3),
+        "descriptors": pst["descriptors"],
+        "blocks": pst["blocks"],
+        "ready_after_prefill_ms": {
+            "p50": round(statistics.median(lat), 3) if lat else 0.0,
+            "p99": round(_p99(lat), 3),
+        },
+        "event_orders": {
+            "registration_first": pst["registration_first"],
+            "prefill_first": pst["prefill_first"],
+        },
         "wire_errors": pst["wire_errors"] + d_stats[1]["wire_errors"],
         "blocks_free_after": {"prefill": [p_stats[2], p_stats[3]], "decode": [d_stats[2], d_stats[3]]},
     }
     where = "host DRAM" if args.device == "cpu" else "CUDA VRAM"
     table = Table(title=f"kvpush demo: prefill -> decode push over NIXL (UCX, {where}, 127.0.0.1)")
-    for col in ("requests", "verified", "failed", "GiB", "GB/s", "raw NIXL GB/s", "descriptors / blocks",
-                "ready after prefill p50 / p99 ms"):
+    for col in (
+        "requests",
+        "verified",
+        "failed",
+        "GiB",
+        "GB/s",
+        "raw NIXL GB/s",
+        "descriptors / blocks",
+        "ready after prefill p50 / p99 ms",
+    ):
         table.add_column(col, justify="right")
-    table.add_row(str(len(reqs)), str(verified), str(failed), f"{total_bytes / 2**30:.2f}",
-                  f"{gbps:.2f} ({100 * gbps / raw_gbps:.0f}% of raw)", f"{raw_gbps:.2f}",
-                  f"{pst['descriptors']} / {pst['blocks']}",
-                  f"{summary['ready_after_prefill_ms']['p50']:.1f} / {summary['ready_after_prefill_ms']['p99']:.1f}")
+    table.add_row(
+        str(len(reqs)),
+        str(verified),
+        str(failed),
+        f"{total_bytes / 2**30:.2f}",
+        f"{gbps:.2f} ({100 * gbps / raw_gbps:.0f}% of raw)",
+        f"{raw_gbps:.2f}",
+        f"{pst['descriptors']} / {pst['blocks']}",
+        f"{summary['ready_after_prefill_ms']['p50']:.1f} / {summary['ready_after_prefill_ms']['p99']:.1f}",
+    )
     Console(width=140).print(table)
     bad = [r for r in reqs if not (r.ok and r.wrong == 0)]
     for r in bad[:5]:
@@ -276,4 +331,5 @@ def _report(args: argparse.Namespace, reqs: list[_Req], raw_gbps: float, p_stats
 
 if __name__ == "__main__":
     from kvpush.cli import main
+
     sys.exit(main(["demo", *sys.argv[1:]]))

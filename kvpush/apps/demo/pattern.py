@@ -18,8 +18,8 @@ U8 = npt.NDArray[np.uint8]
 def _plane_view(buffer: U8, layout: KVLayout, layer: int, kv: int) -> U8:
     """The plane as (blocks, block_size, heads, unit) for NHD or (blocks, heads, block_size, unit) for HND."""
     p = layout.plane(layer, kv)
-    raw = buffer[p.offset:p.offset + layout.num_blocks * layout.block_stride]
-    blocks = raw.reshape(layout.num_blocks, layout.block_stride)[:, :layout.block_bytes]
+    raw = buffer[p.offset : p.offset + layout.num_blocks * layout.block_stride]
+    blocks = raw.reshape(layout.num_blocks, layout.block_stride)[:, : layout.block_bytes]
     h, bs, u = layout.num_kv_heads, layout.block_size, layout.unit_bytes
     shape = (layout.num_blocks, bs, h, u) if layout.token_order == "NHD" else (layout.num_blocks, h, bs, u)
     return blocks.reshape(shape)
@@ -37,7 +37,9 @@ def expected_rows(request_tag: int, layer: int, kv: int, head: int, n: int, unit
     return rows
 
 
-def _token_index(layout: KVLayout, blocks: list[int], n: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _token_index(
+    layout: KVLayout, blocks: list[int], n: int
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     t = np.arange(n, dtype=np.int64)
     table = np.asarray(blocks, dtype=np.int64)
     return table[t // layout.block_size], t % layout.block_size

@@ -20,7 +20,7 @@ from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.protocol.layout import KVLayout
+from kvpush.protocol.layout import KVLayout, TokenOrder
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,20 @@ class Geometry:
     block_size: int
     num_blocks: int
     tp_size: int
-    token_order: str = "NHD"
+    token_order: TokenOrder = "NHD"
 
     def layout(self, rank: int) -> KVLayout:
-        return KVLayout(num_layers=self.layers, block_size=self.block_size, num_blocks=self.num_blocks,
-                        total_kv_heads=self.total_kv_heads, head_dim=self.head_dim, dtype_size=self.dtype_size,
-                        tp_rank=rank, tp_size=self.tp_size, token_order=self.token_order)  # type: ignore[arg-type]
+        return KVLayout(
+            num_layers=self.layers,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            total_kv_heads=self.total_kv_heads,
+            head_dim=self.head_dim,
+            dtype_size=self.dtype_size,
+            tp_rank=rank,
+            tp_size=self.tp_size,
+            token_order=self.token_order,
+        )
 
 
 class BlockAllocator:
@@ -74,6 +82,7 @@ def make_cache(layout: KVLayout, device: str) -> Any:
         import torch
 
         from kvpush.backends.cuda import CudaKVCache
+
         return CudaKVCache(layout, layout.tp_rank % max(1, torch.cuda.device_count()))
     return HostKVCache(layout)
 
@@ -98,6 +107,7 @@ def _shut_down(conn: Connection, eps: list[Any], raw: Any) -> None:
 
 def _raw_transport(name: str, cache: Any) -> Any:
     from kvpush.transport.nixl import NixlTransport
+
     t = NixlTransport(name)
     t.register(cache.layout.regions, cache.mem_type)
     return t
@@ -211,8 +221,10 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                     wrong = -1
                     hosts = [c.to_host() for c in caches]
                     if entry.get("ok"):
-                        wrong = sum(count_wrong_bytes(h, c.layout, entry["blocks"], entry["n"], entry["tag"])
-                                    for h, c in zip(hosts, caches, strict=True))
+                        wrong = sum(
+                            count_wrong_bytes(h, c.layout, entry["blocks"], entry["n"], entry["tag"])
+                            for h, c in zip(hosts, caches, strict=True)
+                        )
                     for h, c in zip(hosts, caches, strict=True):
                         scrub(h, c.layout, entry["blocks"])
                         c.from_host(h)
@@ -245,8 +257,15 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                         continue
                     results = list(entry["done"].values())
                     entry["ok"] = all(r.ok for r in results)
-                    conn.send(("ready", res.request_id, entry["ok"],
-                               "; ".join(r.reason for r in results if r.reason),
-                               max(r.ready_at for r in results), sum(r.nbytes for r in results)))
+                    conn.send(
+                        (
+                            "ready",
+                            res.request_id,
+                            entry["ok"],
+                            "; ".join(r.reason for r in results if r.reason),
+                            max(r.ready_at for r in results),
+                            sum(r.nbytes for r in results),
+                        )
+                    )
     finally:
         _shut_down(conn, eps, raw)

@@ -36,12 +36,13 @@ def make_prompts(n: int, lengths: list[int], seed: int = 0) -> list[str]:
     for i in range(n):
         k = lengths[i % len(lengths)]
         start = rng.randrange(0, max(1, len(words) - k))
-        out.append(" ".join(words[start:start + k]))
+        out.append(" ".join(words[start : start + k]))
     return out
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0,
-              headers: dict[str, str] | None = None) -> dict[str, Any]:
+def post_json(
+    url: str, body: dict[str, Any], timeout: float = 300.0, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     h = {"Content-Type": "application/json"}
     h.update(headers or {})
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=h)
@@ -49,17 +50,30 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 300.0,
         return json.loads(r.read())
 
 
-def complete(base: str, model: str, prompt: str, max_tokens: int, timeout: float = 300.0,
-             headers: dict[str, str] | None = None) -> list[int]:
+def complete(
+    base: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    timeout: float = 300.0,
+    headers: dict[str, str] | None = None,
+) -> list[int]:
     """Greedy completion; returns the generated token ids."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     resp = post_json(base + "/v1/completions", body, timeout, headers)
     return list(resp["choices"][0]["token_ids"])
 
 
-def complete_many(base: str, model: str, prompts: list[str], max_tokens: int, concurrency: int = 4,
-                  timeout: float = 300.0) -> list[list[int]]:
+def complete_many(
+    base: str, model: str, prompts: list[str], max_tokens: int, concurrency: int = 4, timeout: float = 300.0
+) -> list[list[int]]:
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda p: complete(base, model, p, max_tokens, timeout), prompts))
 
@@ -76,11 +90,19 @@ class StreamResult:
     text: str = ""
 
 
-def stream_complete(base: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0,
-                    request_id: str | None = None) -> StreamResult:
+def stream_complete(
+    base: str, model: str, prompt: str, max_tokens: int, timeout: float = 600.0, request_id: str | None = None
+) -> StreamResult:
     """Streaming completion measuring TTFT and inter-token latencies the way vllm bench does."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"Content-Type": "application/json"}
     if request_id:
         headers["X-Request-Id"] = request_id

@@ -79,9 +79,12 @@ class Router:
     async def start(self) -> None:
         import aiohttp
 
-        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s)
-        self._session = aiohttp.ClientSession(timeout=timeout,
-                                              connector=aiohttp.TCPConnector(limit=0, force_close=False))
+        timeout = aiohttp.ClientTimeout(
+            total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
+        )
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -95,16 +98,21 @@ class Router:
             async with self._session.post(url, json=body, headers=headers) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    raise BackendError(502 if resp.status < 500 else resp.status,
-                                       f"{url} answered {resp.status}: {text[:500]}", url)
+                    raise BackendError(
+                        502 if resp.status < 500 else resp.status,
+                        f"{url} answered {resp.status}: {text[:500]}",
+                        url,
+                    )
                 try:
                     data = json.loads(text)
                 except ValueError as exc:
-                    raise BackendError(502, f"{url} answered 200 with a body that is not JSON: {text[:200]!r}",
-                                       url) from exc
+                    raise BackendError(
+                        502, f"{url} answered 200 with a body that is not JSON: {text[:200]!r}", url
+                    ) from exc
                 if not isinstance(data, dict):
-                    raise BackendError(502, f"{url} answered 200 with JSON that is not an object: {text[:200]!r}",
-                                       url)
+                    raise BackendError(
+                        502, f"{url} answered 200 with JSON that is not an object: {text[:200]!r}", url
+                    )
                 return data
         except aiohttp.ClientConnectorError as exc:
             raise BackendError(503, f"backend {url} is unreachable: {exc}", url) from exc
@@ -123,10 +131,17 @@ class Router:
         return out
 
     def _push_params(self, prefill: PrefillBackend, request_id: str) -> dict[str, Any]:
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": prefill.engine_id, "remote_host": prefill.kv_host,
-                "remote_port": prefill.kv_port, "tp_size": prefill.tp_size, "pp_size": prefill.pp_size,
-                "remote_request_id": request_id, "remote_block_ids": None}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": prefill.engine_id,
+            "remote_host": prefill.kv_host,
+            "remote_port": prefill.kv_port,
+            "tp_size": prefill.tp_size,
+            "pp_size": prefill.pp_size,
+            "remote_request_id": request_id,
+            "remote_block_ids": None,
+        }
 
     async def dispatch(self, path: str, body: dict[str, Any], request_id: str, client: Any) -> Any:
         """Run one request; returns an aiohttp response (streamed or JSON)."""
@@ -136,20 +151,31 @@ class Router:
         self.cfg.stats["requests"] += 1
         rec: dict[str, Any] = {"id": request_id, "start": time.perf_counter()}
         self.timings.append(rec)
-        pull_params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        pull_params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
         if self.cfg.mode == "pull":
             resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
             rec["prefill_done"] = time.perf_counter()
             kv = resp.get("kv_transfer_params")
             if not kv:
-                raise BackendError(502, f"prefill {prefill.url} returned no kv_transfer_params "
-                                        "(is it started with a kv_producer connector?)", prefill.url)
+                raise BackendError(
+                    502,
+                    f"prefill {prefill.url} returned no kv_transfer_params "
+                    "(is it started with a kv_producer connector?)",
+                    prefill.url,
+                )
             decode_body = copy.deepcopy(body)
             decode_body["kv_transfer_params"] = kv
             return await self._relay(decode_url + path, decode_body, headers, client, None, rec)
         prefill_task = asyncio.ensure_future(
-            self._post_json(prefill.url + path, self._prefill_body(body, {"do_remote_decode": True}), headers))
+            self._post_json(prefill.url + path, self._prefill_body(body, {"do_remote_decode": True}), headers)
+        )
         prefill_task.add_done_callback(lambda _f: rec.__setitem__("prefill_done", time.perf_counter()))
         decode_body = copy.deepcopy(body)
         decode_body["kv_transfer_params"] = self._push_params(prefill, request_id)
@@ -165,8 +191,15 @@ class Router:
                 # or its blocks are released by lease) but never leak an unobserved exception.
                 prefill_task.add_done_callback(_swallow)
 
-    async def _relay(self, url: str, body: dict[str, Any], headers: dict[str, str], client: Any,
-                     prefill_task: asyncio.Future[Any] | None, rec: dict[str, Any] | None = None) -> Any:
+    async def _relay(
+        self,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        client: Any,
+        prefill_task: asyncio.Future[Any] | None,
+        rec: dict[str, Any] | None = None,
+    ) -> Any:
         """Send to decode and relay its answer; fail fast when the prefill fails first."""
         import aiohttp
         from aiohttp import web
@@ -183,8 +216,11 @@ class Router:
             try:
                 if resp.status != 200:
                     text = await resp.text()
-                    raise BackendError(502 if resp.status < 500 else resp.status,
-                                       f"decode {url} answered {resp.status}: {text[:500]}", url)
+                    raise BackendError(
+                        502 if resp.status < 500 else resp.status,
+                        f"decode {url} answered {resp.status}: {text[:500]}",
+                        url,
+                    )
                 if not stream:
                     data_task = asyncio.ensure_future(resp.read())
                     try:
@@ -205,8 +241,9 @@ class Router:
                 except BaseException:
                     first_task.cancel()
                     raise
-                out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                              "Cache-Control": "no-cache"})
+                out = web.StreamResponse(
+                    status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await out.prepare(client)
                 if first:
                     await out.write(first)
@@ -232,7 +269,7 @@ class Router:
     @staticmethod
     async def _race(task: asyncio.Future[Any], prefill_task: asyncio.Future[Any] | None) -> Any:
         """Wait for task; if the prefill fails first, raise its error (the caller cancels task)."""
-        if prefill_task is None or prefill_task.done() and prefill_task.exception() is None:
+        if prefill_task is None or (prefill_task.done() and prefill_task.exception() is None):
             return await task
         done, _ = await asyncio.wait({task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task in done and prefill_task.exception() is not None:
@@ -253,7 +290,11 @@ class Router:
 
         results = dict(await asyncio.gather(*(probe(u) for u in urls)))
         down = [u for u, ok in results.items() if not ok]
-        return (503 if down else 200), {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode}
+        return (503 if down else 200), {
+            "status": "down" if down else "ok",
+            "down": down,
+            "mode": self.cfg.mode,
+        }
 
 
 def _swallow(fut: asyncio.Future[Any]) -> None:
@@ -278,8 +319,9 @@ def build_app(cfg: ProxyConfig) -> Any:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return web.json_response(_error_body("request body is not JSON", 400, "BadRequest"), status=400)
         if not isinstance(body, dict):
-            return web.json_response(_error_body("request body must be a JSON object", 400, "BadRequest"),
-                                     status=400)
+            return web.json_response(
+                _error_body("request body must be a JSON object", 400, "BadRequest"), status=400
+            )
         request_id = request.headers.get("X-Request-Id") or f"kvp-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
         try:
@@ -298,7 +340,9 @@ def build_app(cfg: ProxyConfig) -> Any:
         out = []
         for rec in list(router.timings):
             t0 = rec["start"]
-            out.append({"id": rec["id"], **{k: round(v - t0, 6) for k, v in rec.items() if k not in ("id", "start")}})
+            out.append(
+                {"id": rec["id"], **{k: round(v - t0, 6) for k, v in rec.items() if k not in ("id", "start")}}
+            )
         if request.query.get("clear") == "1":
             router.timings.clear()
         return web.json_response(out)
@@ -334,17 +378,31 @@ def _expand(values: list[Any] | None, n: int, default: Any, name: str) -> list[A
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--prefill", action="append", required=True, metavar="URL",
-                        help="prefill backend base URL (repeat for several; round robin)")
-    parser.add_argument("--decode", action="append", required=True, metavar="URL",
-                        help="decode backend base URL (repeat for several; round robin)")
-    parser.add_argument("--mode", choices=("push", "pull"), default="push",
-                        help="push: concurrent dispatch (kvpush, NixlPushConnector); pull: prefill first "
-                             "(NixlConnector)")
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="prefill backend base URL (repeat for several; round robin)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="decode backend base URL (repeat for several; round robin)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("push", "pull"),
+        default="push",
+        help="push: concurrent dispatch (kvpush, NixlPushConnector); pull: prefill first (NixlConnector)",
+    )
     parser.add_argument("--prefill-engine-id", action="append", help="engine_id of each prefill")
     parser.add_argument("--prefill-kv-host", action="append", help="KV side-channel host of each prefill")
-    parser.add_argument("--prefill-kv-port", action="append", type=int,
-                        help="KV side-channel port of each prefill")
+    parser.add_argument(
+        "--prefill-kv-port", action="append", type=int, help="KV side-channel port of each prefill"
+    )
     parser.add_argument("--prefill-tp-size", action="append", type=int)
     parser.add_argument("--prefill-pp-size", action="append", type=int)
     parser.add_argument("--connect-timeout", type=float, default=5.0)
@@ -361,10 +419,17 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     pps = _expand(args.prefill_pp_size, n, 1, "prefill-pp-size")
     if args.mode == "push" and (not all(ids) or not all(ports)):
         raise SystemExit("push mode needs --prefill-engine-id and --prefill-kv-port for each --prefill")
-    prefill = [PrefillBackend(u.rstrip("/"), i, h, p, t, q)
-               for u, i, h, p, t, q in zip(args.prefill, ids, hosts, ports, tps, pps, strict=True)]
-    return ProxyConfig(prefill=prefill, decode=[u.rstrip("/") for u in args.decode], mode=args.mode,
-                       connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout)
+    prefill = [
+        PrefillBackend(u.rstrip("/"), i, h, p, t, q)
+        for u, i, h, p, t, q in zip(args.prefill, ids, hosts, ports, tps, pps, strict=True)
+    ]
+    return ProxyConfig(
+        prefill=prefill,
+        decode=[u.rstrip("/") for u in args.decode],
+        mode=args.mode,
+        connect_timeout_s=args.connect_timeout,
+        request_timeout_s=args.request_timeout,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -110,10 +110,23 @@ class EngineSpec:
         return cfg
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
-                "--max-model-len", str(self.max_model_len), "--no-enable-prefix-caching",
-                "--max-num-seqs", "64"]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--no-enable-prefix-caching",
+            "--max-num-seqs",
+            "64",
+        ]
         spec_file = Path(self.model) / "kvpush_spec.json"
         if spec_file.exists():  # our tiny models: serve them in the dtype they were built in
             argv += ["--dtype", json.loads(spec_file.read_text()).get("dtype", "auto")]
@@ -124,18 +137,20 @@ class EngineSpec:
             argv += ["--kv-transfer-config", json.dumps(kvc)]
         argv += self.extra_args
         env = dict(os.environ)
-        env.update({
-            "VLLM_CPU_OMP_THREADS_BIND": self.cores,
-            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
-            "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.kv_port or free_port()),
-            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": self.cores,
+                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
+                "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.kv_port or free_port()),
+                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
+                "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update(self.env)
         return argv, env
 
@@ -143,16 +158,24 @@ class EngineSpec:
 class Started:
     """A process we started, in its own process group."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
-                 cpus: set[int] | None = None):
+    def __init__(
+        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None = None
+    ):
         self.name = name
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         # cpus: set in the child before exec, so every process the engine starts inherits the mask
         confine = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=confine)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=confine,
+        )
 
     @property
     def pid(self) -> int:
@@ -172,10 +195,8 @@ class Started:
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         # Engine children (EngineCore, workers) live in the same group; make sure none outlive us.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -189,8 +210,10 @@ def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0) -> No
     while time.monotonic() < deadline:
         for p in procs:
             if not p.alive():
-                raise RuntimeError(f"{p.name} exited with code {p.proc.returncode} before {url}/health "
-                                   f"answered; last log lines ({p.log_path}):\n{p.tail()}")
+                raise RuntimeError(
+                    f"{p.name} exited with code {p.proc.returncode} before {url}/health "
+                    f"answered; last log lines ({p.log_path}):\n{p.tail()}"
+                )
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -218,12 +241,24 @@ class Deployment:
         return {p.name: p.pid for p in self.procs}
 
 
-def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | None = None,
-             prefill_cores: str = "0", decode_cores: str = "1", max_model_len: int = 16384,
-             block_size: int | None = None, prefill_extra: dict[str, Any] | None = None,
-             decode_extra: dict[str, Any] | None = None, decode_env: dict[str, str] | None = None,
-             prefill_env: dict[str, str] | None = None, health_timeout_s: float = 300.0,
-             start_proxy: bool = True, confine_engines: bool = False) -> Deployment:
+def start_pd(
+    connector: str,
+    model: str,
+    log_dir: Path,
+    *,
+    proxy_port: int | None = None,
+    prefill_cores: str = "0",
+    decode_cores: str = "1",
+    max_model_len: int = 16384,
+    block_size: int | None = None,
+    prefill_extra: dict[str, Any] | None = None,
+    decode_extra: dict[str, Any] | None = None,
+    decode_env: dict[str, str] | None = None,
+    prefill_env: dict[str, str] | None = None,
+    health_timeout_s: float = 300.0,
+    start_proxy: bool = True,
+    confine_engines: bool = False,
+) -> Deployment:
     """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
     tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
     otherwise only the model's compute threads are bound (VLLM_CPU_OMP_THREADS_BIND) and vLLM's
@@ -233,26 +268,67 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
     p_port, d_port, p_kv, d_kv = free_ports(4, span=8)
     x_port = proxy_port or free_port()
     tag = connector.replace("-", "_")
-    prefill = EngineSpec("prefill", model, p_port, prefill_cores, connector, f"{tag}-prefill", p_kv,
-                         max_model_len, block_size, dict(prefill_extra or {}), env=dict(prefill_env or {}))
-    decode = EngineSpec("decode", model, d_port, decode_cores, connector, f"{tag}-decode", d_kv,
-                        max_model_len, block_size, dict(decode_extra or {}), env=dict(decode_env or {}))
+    prefill = EngineSpec(
+        "prefill",
+        model,
+        p_port,
+        prefill_cores,
+        connector,
+        f"{tag}-prefill",
+        p_kv,
+        max_model_len,
+        block_size,
+        dict(prefill_extra or {}),
+        env=dict(prefill_env or {}),
+    )
+    decode = EngineSpec(
+        "decode",
+        model,
+        d_port,
+        decode_cores,
+        connector,
+        f"{tag}-decode",
+        d_kv,
+        max_model_len,
+        block_size,
+        dict(decode_extra or {}),
+        env=dict(decode_env or {}),
+    )
     procs: list[Started] = []
     try:
         url = ""
         if start_proxy:
             # The proxy binds first: engines grab ephemeral ports while starting.
             mode = "pull" if connector == "nixl-pull" else "push"
-            argv = [sys.executable, "-m", "kvpush.platforms.vllm.tools.proxy", "--port", str(x_port), "--mode", mode,
-                    "--prefill", prefill.url, "--decode", decode.url, "--prefill-engine-id", prefill.engine_id,
-                    "--prefill-kv-host", "127.0.0.1", "--prefill-kv-port", str(p_kv)]
-            procs.append(Started(f"{connector}-proxy", argv, dict(os.environ), log_dir / f"{connector}-proxy.log"))
+            argv = [
+                sys.executable,
+                "-m",
+                "kvpush.platforms.vllm.tools.proxy",
+                "--port",
+                str(x_port),
+                "--mode",
+                mode,
+                "--prefill",
+                prefill.url,
+                "--decode",
+                decode.url,
+                "--prefill-engine-id",
+                prefill.engine_id,
+                "--prefill-kv-host",
+                "127.0.0.1",
+                "--prefill-kv-port",
+                str(p_kv),
+            ]
+            procs.append(
+                Started(f"{connector}-proxy", argv, dict(os.environ), log_dir / f"{connector}-proxy.log")
+            )
             url = f"http://127.0.0.1:{x_port}"
         for spec in (prefill, decode):
             argv, env = spec.command()
             cpus = parse_cores(spec.cores) if confine_engines else None
-            procs.append(Started(f"{connector}-{spec.role}", argv, env, log_dir / f"{connector}-{spec.role}.log",
-                                 cpus))
+            procs.append(
+                Started(f"{connector}-{spec.role}", argv, env, log_dir / f"{connector}-{spec.role}.log", cpus)
+            )
         for spec in (prefill, decode):
             wait_healthy(spec.url, procs, health_timeout_s)
         if url:
@@ -264,11 +340,20 @@ def start_pd(connector: str, model: str, log_dir: Path, *, proxy_port: int | Non
         raise
 
 
-def start_single(model: str, log_dir: Path, *, cores: str = "0", max_model_len: int = 16384,
-                 block_size: int | None = None, health_timeout_s: float = 300.0,
-                 confine: bool = False, env: dict[str, str] | None = None) -> Deployment:
-    spec = EngineSpec("single", model, free_port(), cores, None, "", 0, max_model_len, block_size,
-                      env=dict(env or {}))
+def start_single(
+    model: str,
+    log_dir: Path,
+    *,
+    cores: str = "0",
+    max_model_len: int = 16384,
+    block_size: int | None = None,
+    health_timeout_s: float = 300.0,
+    confine: bool = False,
+    env: dict[str, str] | None = None,
+) -> Deployment:
+    spec = EngineSpec(
+        "single", model, free_port(), cores, None, "", 0, max_model_len, block_size, env=dict(env or {})
+    )
     argv, proc_env = spec.command()
     proc = Started("single", argv, proc_env, log_dir / "single.log", parse_cores(cores) if confine else None)
     try:
@@ -289,17 +374,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=16384)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--log-dir", default="out/serve-pd")
-    parser.add_argument("--exit-after-ready", action="store_true",
-                        help="stop everything once healthy (a smoke test)")
+    parser.add_argument(
+        "--exit-after-ready", action="store_true", help="stop everything once healthy (a smoke test)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from .tiny_model import build
 
     model = args.model or str(build(args.variant))
-    dep = start_pd(args.connector, model, Path(args.log_dir), proxy_port=args.port,
-                   prefill_cores=args.prefill_cores, decode_cores=args.decode_cores,
-                   max_model_len=args.max_model_len, block_size=args.block_size)
+    dep = start_pd(
+        args.connector,
+        model,
+        Path(args.log_dir),
+        proxy_port=args.port,
+        prefill_cores=args.prefill_cores,
+        decode_cores=args.decode_cores,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+    )
     print(f"ready: {dep.url} (connector {args.connector}, model {model}); pids {dep.pids()}", flush=True)
     if args.exit_after_ready:
         dep.stop()
@@ -325,7 +418,9 @@ def run(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def serving(connector: str | None, model: str, log_dir: Path, **kw: Any) -> Iterator[Deployment]:
-    dep = start_single(model, log_dir, **kw) if connector is None else start_pd(connector, model, log_dir, **kw)
+    dep = (
+        start_single(model, log_dir, **kw) if connector is None else start_pd(connector, model, log_dir, **kw)
+    )
     try:
         yield dep
     finally:

@@ -38,8 +38,10 @@ class TinyModelSpec:
 
     @property
     def name(self) -> str:
-        return (f"tiny-llama-l{self.num_layers}-h{self.hidden_size}-kv{self.num_kv_heads}x{self.head_dim}"
-                f"-{self.dtype}-v{self.vocab_size}-s{self.seed}")
+        return (
+            f"tiny-llama-l{self.num_layers}-h{self.hidden_size}-kv{self.num_kv_heads}x{self.head_dim}"
+            f"-{self.dtype}-v{self.vocab_size}-s{self.seed}"
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -81,19 +83,34 @@ def _build_tokenizer(spec: TinyModelSpec, out: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=spec.vocab_size, special_tokens=["<s>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=["<s>", "</s>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_training_text(), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "model_max_length": spec.max_position, "clean_up_tokenization_spaces": False,
-        # A plain chat template so /v1/chat/completions works.
-        "chat_template": ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}"),
-    }))
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": spec.max_position,
+                "clean_up_tokenization_spaces": False,
+                # A plain chat template so /v1/chat/completions works.
+                "chat_template": (
+                    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}assistant: {% endif %}"
+                ),
+            }
+        )
+    )
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
 
 
 def _build_weights(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
@@ -101,11 +118,19 @@ def _build_weights(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position, initializer_range=spec.init_std,
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, rms_norm_eps=1e-5,
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position,
+        initializer_range=spec.init_std,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)

@@ -33,7 +33,7 @@ def _patch_nixl(mod):
         def __getattr__(self, attr):
             return getattr(real, attr)
 
-        def nixlAgent(self, name, cfg):  # noqa: N802 - mirrors the binding's name
+        def nixlAgent(self, name, cfg):
             if _no_prog:
                 cfg.useProgThread = False
             else:
