@@ -23,6 +23,10 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # NIXL
     backends: tuple[str, ...] = ("UCX",)
     ucx_net_devices: str | None = "lo"  # None leaves UCX_NET_DEVICES alone (clusters)
+    # NIXL backend init parameters, e.g. {"LIBFABRIC": {"num_threads": 4, "striping_threshold": 131072}}
+    # (passed as strings). The environment variable KVPUSH_BACKENDS overrides `backends` at transport
+    # start (kvpush.transport.nixl.selected_backends).
+    backend_params: dict[str, dict[str, str | int | float | bool]] = msgspec.field(default_factory=dict)
     # Prefill: how long source blocks wait for a registration (or a registration for its prefill)
     # before the request fails and the blocks are released.
     lease_s: float = 120.0
@@ -68,6 +72,11 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if not self.backends:
             raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
+        unknown = sorted(set(self.backend_params) - set(self.backends))
+        if unknown:
+            raise ConfigError(
+                f"backend_params names backends {unknown} that are not in backends {list(self.backends)}"
+            )
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> KVPushConfig:

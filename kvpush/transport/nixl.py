@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..protocol.layout import Region
@@ -24,24 +24,122 @@ def prepare_environment(ucx_net_devices: str | None) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+BACKENDS_ENV = "KVPUSH_BACKENDS"
+
+
+def selected_backends(configured: Sequence[str], environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The NIXL backends to create: KVPUSH_BACKENDS (comma-separated, e.g. "LIBFABRIC") overrides the
+    configured list, so one deployment file serves an EFA cluster and a single test host."""
+    env = os.environ if environ is None else environ
+    raw = env.get(BACKENDS_ENV, "").strip()
+    chosen = tuple(b.strip().upper() for b in raw.split(",") if b.strip()) if raw else tuple(configured)
+    if not chosen:
+        raise TransportError(f"no NIXL backend selected (config backends and {BACKENDS_ENV} are empty)")
+    return chosen
+
+
+def check_backend(agent: Any, backend: str, mem_types: Sequence[str]) -> None:
+    """Refuse an agent that lacks `backend` or one of `mem_types` on it, naming what is missing.
+
+    NIXL's Python wrapper only logs a warning when a requested plugin is missing and the agent comes up
+    without it; with LIBFABRIC that would surface much later as a registration or transfer failure, or,
+    for Neuron memory, not at all (the plugin lists VRAM only when it found Neuron devices).
+    """
+    plugins = list(agent.get_plugin_list())
+    if backend not in plugins:
+        raise TransportError(
+            f"NIXL backend {backend!r} did not load: its plugin is not among the loadable plugins "
+            f"{sorted(plugins)}.{load_hint(backend)}"
+        )
+    if backend not in getattr(agent, "backends", {}):
+        raise TransportError(f"NIXL backend {backend!r} was not instantiated by the agent")
+    have = [str(m) for m in agent.get_backend_mem_types(backend)]
+    missing = [m for m in mem_types if _seg(m) not in {_seg(h) for h in have}]
+    if missing:
+        hint = ""
+        if backend == "LIBFABRIC" and "VRAM" in missing:
+            hint = (
+                " LIBFABRIC lists VRAM only when it finds CUDA GPUs or Neuron devices (and, for Neuron, "
+                "an initialised Neuron runtime before the NIXL agent is created); otherwise device memory "
+                "would be registered as host memory."
+            )
+        raise TransportError(f"NIXL backend {backend!r} supports memory types {have}, not {missing}.{hint}")
+
+
+def load_hint(backend: str) -> str:
+    """What a backend needs to load, for error messages (empty where there is nothing specific)."""
+    if backend == "LIBFABRIC":
+        return (
+            " The LIBFABRIC plugin needs libfabric >= 1.21 (on EFA: the AWS EFA installer's) and "
+            "libcuda.so.1 (a stub is enough on Neuron) resolvable by the loader, and NIXL >= 0.10 for "
+            "Neuron memory; NIXL reports NIXL_ERR_NOT_FOUND / 'unsupported backend' otherwise."
+        )
+    return ""
+
+
+def _seg(mem_type: str) -> str:
+    """'VRAM' and 'VRAM_SEG' name the same memory type (the bindings report the _SEG form)."""
+    return mem_type.upper().removesuffix("_SEG")
+
+
+def _param_text(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
 class NixlTransport:
-    def __init__(self, name: str, backends: Sequence[str] = ("UCX",)) -> None:
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        backend_params: Mapping[str, Mapping[str, object]] | None = None,
+        mem_types: Sequence[str] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        """Create the agent with exactly the backends asked for, or raise TransportError naming the one
+        that did not load or lacks a memory type in `mem_types` (what the caller will register).
+
+        backends: overridden by KVPUSH_BACKENDS (see `selected_backends`). backend_params: init
+        parameters per backend, e.g. {"LIBFABRIC": {"num_threads": 4, "striping_threshold": 131072}};
+        values are passed to NIXL as strings.
+        """
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise TransportError(f"NIXL is not importable ({exc}); install nixl==1.5.1") from exc
+        chosen = selected_backends(backends, environ)
+        params = backend_params or {}
+        unknown = sorted(set(params) - set(chosen))
+        if unknown:
+            raise TransportError(
+                f"backend_params name backends {unknown} that are not selected {list(chosen)}"
+            )
         config = nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
-            backends=list(backends),
+            backends=[],  # created one by one below, so a missing plugin is an error, not a warning
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
         try:
             self._agent: Any = nixl_agent(name, config)
         except Exception as exc:
             raise TransportError(
-                f"could not create NIXL agent {name!r} with backends {list(backends)}: {exc}"
+                f"could not create NIXL agent {name!r} with backends {list(chosen)}: {exc}"
             ) from exc
+        for backend in chosen:
+            if backend not in self._agent.get_plugin_list():
+                check_backend(self._agent, backend, mem_types)  # raises, naming the missing plugin
+            init = {str(k): _param_text(v) for k, v in params.get(backend, {}).items()}
+            try:
+                self._agent.create_backend(backend, init)
+            except Exception as exc:
+                raise TransportError(
+                    f"NIXL backend {backend!r} failed to initialise with parameters {init}: {exc}."
+                    f"{load_hint(backend)}"
+                ) from exc
+            check_backend(self._agent, backend, mem_types)
+        self.backends = chosen
         self.name = name
         self._registered: list[Any] = []
         self._lock = threading.Lock()

@@ -31,9 +31,6 @@ def test_neuron_layout_and_config():
 
 
 def test_libfabric_unavailable_here_fails_with_a_clear_error():
-    try:
-        t = NixlTransport("lf-probe", backends=("LIBFABRIC",))
-    except TransportError as exc:
-        assert "LIBFABRIC" in str(exc)
-    else:  # a machine with libfabric and EFA: the agent came up, which is fine too
-        t.close()
+    """The agent must not come up without the backend it was asked for (NIXL only warns)."""
+    with pytest.raises(TransportError, match="LIBFABRIC"):
+        NixlTransport("lf-probe", backends=("LIBFABRIC",), environ={})
