@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvpush.protocol.layout import blocks_for as blocks_for  # re-exported for the bench's users
+
 
 class OutOfBlocks(Exception):
     pass
@@ -53,7 +55,3 @@ class BlockPool:
             served += n
         while live:
             self.free(live.popleft())
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)

@@ -467,7 +467,7 @@ class _DecodeEngine:
     def _on_alloc(self, r: Req) -> None:
         r.stats["decode_alloc"] = time.monotonic()
         if self.mode == PUSH:
-            nb = -(-r.prompt_len // self.layout.block_size)
+            nb = blocks_for(r.prompt_len, self.layout.block_size)
             self.endpoint.expect(r.id, r.blocks[:nb], r.prompt_len, self.prefill_addr)
         else:
             self._to_load.append(r)
