@@ -11,6 +11,7 @@ tensor per plane, vLLM's per-layer [2, blocks, ...] tensors and the [blocks, 2, 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -102,6 +103,10 @@ class KVLayout:
     # The block's interior is opaque (vLLM's CPU kernels pack tokens in their own order): a plan may
     # only move whole blocks, so both sides need the same block size and partial blocks move whole.
     atomic_blocks: bool = False
+    # Where `packed_planes` puts the planes: layer-major (each plane a run of blocks) or block-major
+    # (block-outermost: every layer's K and V of one block lie in one run, vLLM's cross-layer layouts).
+    # A placed layout's kind is read from its planes (`kind`), so it survives the wire without a field.
+    block_major: bool = False
     _plane_index: dict[tuple[int, int], Plane] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,7 +126,8 @@ class KVLayout:
             raise LayoutError(f"token_order must be 'NHD' or 'HND', got {self.token_order!r}")
         heads_of_rank(self.tp_rank, self.tp_size, self.total_kv_heads)
         if self.block_stride == 0:
-            object.__setattr__(self, "block_stride", self.block_bytes)
+            per_block = self.num_layers * self.kv_per_layer if self.block_major else 1
+            object.__setattr__(self, "block_stride", self.block_bytes * per_block)
         if self.block_stride < self.block_bytes:
             raise LayoutError(f"block_stride {self.block_stride} < block bytes {self.block_bytes}")
         index = {(p.layer, p.kv): p for p in self.planes}
@@ -137,7 +143,30 @@ class KVLayout:
                 if p.offset < 0 or p.offset + plane_span > self.regions[p.region].nbytes:
                     raise LayoutError(f"plane (layer {p.layer}, kv {p.kv}) overruns region {p.region}")
 
+        if self.block_major and self.planes and self.kind != "block-major":
+            raise LayoutError("block_major layout whose planes are not block-major (see packed_planes)")
+
     # ---- derived geometry -------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        """ "block-major" when every block holds all planes back to back (one run per block, in one
+        region), else "layer-major". Read from the planes when placed, from `block_major` otherwise."""
+        if not self.planes:
+            return "block-major" if self.block_major else "layer-major"
+        n = len(self.planes)
+        if n == 1 or len({p.region for p in self.planes}) != 1 or self.block_stride < n * self.block_bytes:
+            return "layer-major"
+        offs = sorted(p.offset for p in self.planes)
+        dense = all(b - a == self.block_bytes for a, b in itertools.pairwise(offs))
+        return "block-major" if dense else "layer-major"
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes `packed_planes` needs for this layout (one region)."""
+        if self.block_major:
+            return self.num_blocks * self.block_stride
+        return self.num_blocks * self.block_stride * self.num_layers * self.kv_per_layer
+
     @property
     def kv_heads(self) -> tuple[int, int]:
         """Global head range [lo, hi) this rank holds."""
@@ -196,6 +225,7 @@ class KVLayout:
             f"v1|layers={self.num_layers}|kv={self.kv_per_layer}|heads={self.total_kv_heads}"
             f"|dim={self.head_dim}|dtype={self.dtype_size}|order={self.token_order}|tag={self.model_tag}"
             + (f"|atomic-blocks={self.block_size}" if self.atomic_blocks else "")
+            + ("|block-major" if self.kind == "block-major" else "")
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -217,6 +247,7 @@ class KVLayout:
             planes,
             self.model_tag,
             atomic_blocks=self.atomic_blocks,
+            block_major=self.block_major,
         )
 
 
@@ -242,7 +273,15 @@ def check_block_table(
 
 
 def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLayout:
-    """Place every plane back to back in one region starting at base_addr (a host buffer, say)."""
+    """Place every plane back to back in one region starting at base_addr (a host buffer, say); a
+    block_major layout places the planes inside each block instead (plane i at i x block bytes)."""
+    if layout.block_major:
+        planes = tuple(
+            Plane(layer, kv, 0, (layer * layout.kv_per_layer + kv) * layout.block_bytes)
+            for layer in range(layout.num_layers)
+            for kv in range(layout.kv_per_layer)
+        )
+        return layout.with_memory((Region(base_addr, layout.cache_bytes, device_id),), planes)
     plane_bytes = layout.num_blocks * layout.block_stride
     planes = tuple(
         Plane(layer, kv, 0, (layer * layout.kv_per_layer + kv) * plane_bytes)
@@ -264,6 +303,7 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         "token_order",
         "model_tag",
         "atomic_blocks",
+        "kind",
     ):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:

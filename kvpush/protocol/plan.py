@@ -114,12 +114,17 @@ def build_plan(
     num_tokens: int,
     layers: range | None = None,
     heads: tuple[int, int] | None = None,
+    merge_layers: bool | None = None,
 ) -> TransferPlan:
     """Map the first `num_tokens` tokens of src's blocks onto dst's blocks.
 
     `heads` is the global KV-head range to move (default: every head both ranks hold; see kvpush.protocol.tp).
-    Both layouts must carry memory (regions and planes).
+    Both layouts must carry memory (regions and planes). Runs merge across layers when `merge_layers`
+    (default: when both sides are block-major, where one block's layers are one run); a caller that
+    streams layer by layer plans `layers=range(l, l + 1)` instead.
     """
+    if merge_layers is None:
+        merge_layers = src.kind == dst.kind == "block-major"
     check_compatible(src, dst)
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
@@ -155,8 +160,9 @@ def build_plan(
         d_base[i] = dst.regions[dp.region].addr + dp.offset
         s_dev[i] = src.regions[sp.region].device_id
         d_dev[i] = dst.regions[dp.region].device_id
-        # runs may merge across the planes of one layer, never across layers or memory regions
-        group[i] = (layer * n_src_regions + sp.region) * n_dst_regions + dp.region
+        # runs may merge across the planes of one layer (of every layer when merge_layers), never
+        # across memory regions
+        group[i] = ((0 if merge_layers else layer) * n_src_regions + sp.region) * n_dst_regions + dp.region
     m = s_off.shape[0]
     a_src = (s_base[:, None] + s_off[None, :]).ravel()
     a_dst = (d_base[:, None] + d_off[None, :]).ravel()
@@ -166,7 +172,7 @@ def build_plan(
     a_src, a_dst, a_len, a_grp = a_src[order], a_dst[order], a_len[order], a_grp[order]
     starts, run_len = _runs(a_src, a_dst, a_len, a_grp)
     plane_of = order[starts] // max(m, 1)
-    layer_of = a_grp[starts] // (n_src_regions * n_dst_regions)
+    layer_of = np.asarray([planes[i][0] for i in range(len(planes))], dtype=np.int64)[plane_of]
     return TransferPlan(
         a_src[starts], a_dst[starts], run_len, layer_of, s_dev[plane_of], d_dev[plane_of], num_tokens, n_src
     )

@@ -18,10 +18,19 @@ from ..protocol.layout import Region
 
 XferState = Literal["DONE", "PROC"]
 Descs = npt.NDArray[np.int64]  # N x 3: (addr, len, device id)
+# N x 5 strided rows (addr, len, device id, stride, count): row r names `count` descriptors of `len` bytes,
+# `stride` apart; a prepared list's descriptors are numbered row after row. N x 3 rows are count 1.
+Rows = npt.NDArray[np.int64]
+Indices = npt.NDArray[np.int32]
 
 
 class XferHandle(Protocol):
     """Opaque handle of a posted transfer."""
+
+
+class PreparedList(Protocol):
+    """Opaque handle of a descriptor list prepared once (per peer, at handshake) and then addressed by
+    index, so a request costs index arrays instead of a fresh descriptor list."""
 
 
 class Transport(Protocol):
@@ -35,6 +44,30 @@ class Transport(Protocol):
     def post_write(
         self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str
     ) -> XferHandle: ...
+    def prepare(self, peer: str | None, rows: Rows, mem_type: str) -> PreparedList:
+        """Prepare a descriptor list: local memory when peer is None, else the peer's memory."""
+        ...
+
+    def make_write(
+        self, local: PreparedList, local_idx: Indices, remote: PreparedList, remote_idx: Indices, notif: bytes
+    ) -> XferHandle:
+        """A WRITE of local descriptors local_idx[i] -> remote descriptors remote_idx[i], made but not posted.
+
+        Runs of consecutive indices on both sides whose descriptors touch in memory go out as one
+        descriptor (NIXL's makeXferReq merges them; MemoryTransport copies them either way)."""
+        ...
+
+    def repost(self, handle: XferHandle, notif: bytes | None = None) -> None:
+        """Post a made (or completed) handle again, optionally with a new notification."""
+        ...
+
+    def post_prepared(
+        self, local: PreparedList, local_idx: Indices, remote: PreparedList, remote_idx: Indices, notif: bytes
+    ) -> XferHandle:
+        """make_write + post: the per-request path."""
+        ...
+
+    def release_prepared(self, plist: PreparedList) -> None: ...
     def poll(self, handle: XferHandle) -> XferState: ...
     def release(self, handle: XferHandle) -> None: ...
     def send_notif(self, peer: str, msg: bytes) -> None: ...

@@ -15,8 +15,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..protocol.layout import Region
-from .base import Descs, TransportError, XferState
+from .base import Descs, Indices, Rows, TransportError, XferState
 
 
 @dataclass
@@ -26,6 +28,29 @@ class _Xfer:
     notif: bytes
     copies: list[tuple[int, int, int]]  # (to, from, len)
     state: str = "PROC"
+
+
+@dataclass
+class _Prepared:
+    """A prepared list expanded to one (addr, len, device) row per index, like NIXL numbers them."""
+
+    peer: str | None
+    descs: Descs
+
+
+def expand_rows(rows: Rows) -> Descs:
+    """N x 3 rows as they are; N x 5 strided rows expanded to one descriptor per (row, i < count)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 2 or rows.shape[1] not in (3, 5):
+        raise TransportError(f"a prepared list takes N x 3 or N x 5 rows, not shape {rows.shape}")
+    if rows.shape[1] == 3:
+        return rows
+    counts = rows[:, 4]
+    row_of = np.repeat(np.arange(rows.shape[0]), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = np.arange(row_of.shape[0], dtype=np.int64) - first
+    addr = rows[row_of, 0] + k * rows[row_of, 3]
+    return np.stack((addr, rows[row_of, 1], rows[row_of, 2]), axis=1)
 
 
 @dataclass
@@ -100,8 +125,11 @@ class MemoryTransport:
     def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> _Xfer:
         return self._post(peer, local, remote, notif, write=True)
 
-    def _post(self, peer: str, local: Descs, remote: Descs, notif: bytes, write: bool) -> _Xfer:
-        """A WRITE copies local -> remote; `write=False` is a READ (for tests of pull-style users)."""
+    def _post(
+        self, peer: str, local: Descs, remote: Descs, notif: bytes, write: bool, post: bool = True
+    ) -> _Xfer:
+        """A WRITE copies local -> remote; `write=False` is a READ (for tests of pull-style users).
+        `post=False` checks and makes the transfer without starting it (see make_write)."""
         self._alive(peer)
         if peer not in self.peers:
             raise TransportError(f"{peer!r} is not a known peer of {self.name}")
@@ -114,17 +142,56 @@ class MemoryTransport:
                 raise TransportError(f"descriptor {hex(la)}/{hex(ra)}+{ln} outside registered memory")
             copies.append((ra, la, ln) if write else (la, ra, ln))
         x = _Xfer(self.name, peer, notif, copies)
+        if post:
+            self._submit(x)
+        return x
+
+    def _submit(self, x: _Xfer) -> None:
         with self.hub.lock:
-            failing = self.hub.fail_next_writes.get(peer, 0)
+            failing = self.hub.fail_next_writes.get(x.dst, 0)
             if failing:
-                self.hub.fail_next_writes[peer] = failing - 1
+                self.hub.fail_next_writes[x.dst] = failing - 1
                 x.state = "ERR"
-                return x
+                return
             if self.hub.hold_writes:
                 self.hub.held.append(x)
-                return x
+                return
         self.hub._complete(x)
+
+    def prepare(self, peer: str | None, rows: Rows, mem_type: str) -> _Prepared:
+        if peer is not None:
+            self._alive(peer)
+            if peer not in self.peers:
+                raise TransportError(f"{peer!r} is not a known peer of {self.name}")
+        return _Prepared(peer, expand_rows(rows))
+
+    def make_write(
+        self, local: _Prepared, local_idx: Indices, remote: _Prepared, remote_idx: Indices, notif: bytes
+    ) -> _Xfer:
+        if local.peer is not None or remote.peer is None:
+            raise TransportError("make_write takes a local and a remote prepared list")
+        try:
+            ldescs, rdescs = local.descs[local_idx], remote.descs[remote_idx]
+        except IndexError as exc:
+            raise TransportError(f"prepared-list index out of range: {exc}") from exc
+        x = self._post(remote.peer, ldescs, rdescs, notif, write=True, post=False)
         return x
+
+    def repost(self, handle: _Xfer, notif: bytes | None = None) -> None:
+        if notif is not None:
+            handle.notif = notif
+        handle.state = "PROC"
+        self._submit(handle)
+
+    def post_prepared(
+        self, local: _Prepared, local_idx: Indices, remote: _Prepared, remote_idx: Indices, notif: bytes
+    ) -> _Xfer:
+        x = self.make_write(local, local_idx, remote, remote_idx, notif)
+        self._submit(x)
+        return x
+
+    def release_prepared(self, plist: _Prepared) -> None:
+        pass
 
     def poll(self, handle: _Xfer) -> XferState:
         if handle.state == "ERR" or (handle.state == "PROC" and handle.dst in self.hub.dead):

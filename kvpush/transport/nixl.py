@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..protocol.layout import Region
-from .base import Descs, TransportError, XferState
+from .base import Descs, Indices, Rows, TransportError, XferState
 
 
 def prepare_environment(ucx_net_devices: str | None) -> None:
@@ -191,6 +191,57 @@ class NixlTransport:
 
     def post_write(self, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> Any:
         return self._post("WRITE", peer, local, remote, notif, mem_type)
+
+    # ---- prepared lists: prepared once per peer, then one make_prepped_xfer per request --------------
+    def prepare(self, peer: str | None, rows: Rows, mem_type: str) -> Any:
+        """prep_xfer_dlist over N x 3 or N x 5 (strided) rows; the strided form keeps a whole plane of a
+        large cache in one row instead of one descriptor per block."""
+        who = "NIXL_INIT_AGENT" if peer is None else peer
+        try:
+            return self._agent.prep_xfer_dlist(who, rows, mem_type)
+        except Exception as exc:
+            raise TransportError(
+                f"NIXL could not prepare a {rows.shape[0]}-row descriptor list for "
+                f"{'local memory' if peer is None else repr(peer)}: {exc}"
+            ) from exc
+
+    def make_write(
+        self, local: Any, local_idx: Indices, remote: Any, remote_idx: Indices, notif: bytes
+    ) -> Any:
+        try:
+            return self._agent.make_prepped_xfer(
+                "WRITE", local, local_idx, remote, remote_idx, notif_msg=notif
+            )
+        except Exception as exc:
+            raise TransportError(
+                f"NIXL could not make a WRITE of {local_idx.shape[0]} indices: {exc}"
+            ) from exc
+
+    def repost(self, handle: Any, notif: bytes | None = None) -> None:
+        try:
+            state = self._agent.transfer(handle) if notif is None else self._agent.transfer(handle, notif)
+        except Exception as exc:
+            raise TransportError(f"NIXL WRITE failed to post: {exc}") from exc
+        if state == "ERR":
+            raise TransportError("NIXL WRITE returned ERR when posted")
+
+    def post_prepared(
+        self, local: Any, local_idx: Indices, remote: Any, remote_idx: Indices, notif: bytes
+    ) -> Any:
+        handle = self.make_write(local, local_idx, remote, remote_idx, notif)
+        try:
+            self.repost(handle)
+        except TransportError:
+            with contextlib.suppress(Exception):
+                self._agent.release_xfer_handle(handle)
+            raise
+        return handle
+
+    def release_prepared(self, plist: Any) -> None:
+        try:
+            self._agent.release_dlist_handle(plist)
+        except Exception as exc:
+            raise TransportError(f"NIXL could not release a prepared descriptor list: {exc}") from exc
 
     def poll(self, handle: Any) -> XferState:
         try:

@@ -1,0 +1,286 @@
+"""Prepared-list plans: descriptor lists prepared once per (prefill rank, decode rank) pair, requests as
+index arrays into them.
+
+`pair_units` runs once per peer (at handshake). It picks the *unit*: the largest piece that is contiguous
+on both sides for any block table (a block of the smaller block size; a block x head slice for HND; one
+token's head slice for NHD under a TP split) and describes every unit of each side as a few strided rows
+(address, len, device, stride, count) for NIXL's prep_xfer_dlist. Where a side's units tile its memory
+(packed layer-major planes, or block-major blocks), a whole region is one dense row and the unit index is
+simply its offset / unit length, so units adjacent in memory have adjacent indices.
+
+`build_index_plan` runs per request and only computes index arrays: the pieces of the request (as in
+`build_plan`), sorted by source offset so that descending or shuffled tables still line up, replicated over
+the planes in memory order. NIXL 1.5.1's makeXferReq merges a run of consecutive indices on both sides
+into one descriptor when the rows are dense (measured: 2,048 consecutive indices -> descCount 1; indices
+that are not ascending, or that cross a row, are not merged), so the posted descriptors are the same
+maximal runs `build_plan` emits, without building a descriptor list per request.
+
+A request's last unit may extend past its last token (a partial block moves as whole units). Those bytes
+stay inside the request's own last source and destination blocks, past the tokens the decode will read.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LayoutError
+from .layout import KVLayout, blocks_for, check_block_table, check_compatible
+
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SideUnits:
+    """One side's units: the strided rows to prepare, and index = plane_base[p] + blk * blk_mult +
+    slot * slot_mult for unit `slot` of block `blk` in plane p (planes in (layer, kv) order)."""
+
+    rows: I64  # N x 5: (addr, len, device, stride, count)
+    plane_base: I64
+    blk_mult: int
+    slot_mult: int
+    dense: bool  # units adjacent in memory have adjacent indices in one row (NIXL can merge them)
+    block_outer: bool  # the block index is the outermost index (block-major dense)
+    slots: int  # units per block
+
+    @property
+    def num_units(self) -> int:
+        return int(self.rows[:, 4].sum())
+
+
+@dataclass(frozen=True)
+class PairUnits:
+    """Everything about a (source layout, destination layout, heads) pair that does not depend on the
+    request: computed once per peer, reused by every request."""
+
+    src: KVLayout
+    dst: KVLayout
+    heads: tuple[int, int]
+    mode: str  # "token" (NHD head slice per token), "nhd" (chunk x all heads), "hnd" (chunk x one head)
+    chunk: int  # tokens per unit
+    unit_bytes: int  # bytes per unit
+    s: SideUnits
+    d: SideUnits
+    plane_layer: I64  # layer of each plane, (layer, kv) order
+
+    @property
+    def mergeable(self) -> bool:
+        return self.s.dense and self.d.dense
+
+
+@dataclass(frozen=True)
+class IndexPlan:
+    """A request as indices into the pair's prepared lists (int32, as make_prepped_xfer takes them)."""
+
+    src_idx: I32
+    dst_idx: I32
+    unit_bytes: int
+    num_descriptors: int  # after merging consecutive indices (what NIXL posts)
+    num_tokens: int
+    num_blocks: int  # source blocks covered
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src_idx.shape[0]) * self.unit_bytes
+
+
+def _mode(src: KVLayout, dst: KVLayout, heads: tuple[int, int]) -> tuple[str, int, int]:
+    g0, g1 = heads
+    full = (g1 - g0) == src.num_kv_heads == dst.num_kv_heads
+    unit = src.unit_bytes
+    if src.token_order == "NHD" and not full:
+        return "token", 1, (g1 - g0) * unit
+    chunk = min(src.block_size, dst.block_size)
+    if src.token_order == "NHD":
+        return "nhd", chunk, chunk * (g1 - g0) * unit
+    return "hnd", chunk, chunk * unit
+
+
+def _slots(layout: KVLayout, mode: str, chunk: int, heads: tuple[int, int]) -> tuple[int, I64]:
+    """Units per block and each unit's byte offset inside the block (in slot order)."""
+    lo = layout.kv_heads[0]
+    nh, bs, u = layout.num_kv_heads, layout.block_size, layout.unit_bytes
+    if mode == "token":
+        t = np.arange(bs, dtype=np.int64)
+        return bs, (t * nh + (heads[0] - lo)) * u
+    per = bs // chunk
+    if mode == "nhd":
+        return per, np.arange(per, dtype=np.int64) * chunk * nh * u
+    k = np.arange(nh * per, dtype=np.int64)  # slot = head * per + sub-chunk: memory order inside a block
+    return nh * per, ((k // per) * bs + (k % per) * chunk) * u
+
+
+def _side(layout: KVLayout, mode: str, chunk: int, unit: int, heads: tuple[int, int]) -> SideUnits:
+    slots, slot_off = _slots(layout, mode, chunk, heads)
+    bb, stride, nb = layout.block_bytes, layout.block_stride, layout.num_blocks
+    planes = [
+        layout.plane(layer, kv) for layer in range(layout.num_layers) for kv in range(layout.kv_per_layer)
+    ]
+    block_dense = slots * unit == bb and bool(np.all(slot_off == np.arange(slots) * unit))
+    by_region: dict[int, list[int]] = {}
+    for i, p in enumerate(planes):
+        by_region.setdefault(p.region, []).append(i)
+    dense = block_dense
+    block_outer = False
+    if dense:
+        for members in by_region.values():
+            offs = sorted(planes[i].offset for i in members)
+            gaps = {b - a for a, b in itertools.pairwise(offs)}
+            if stride == bb and gaps <= {nb * bb}:
+                continue  # layer-major packed: plane after plane
+            if stride == len(members) * bb and gaps <= {bb}:
+                block_outer = len(members) > 1  # block-major: block after block, planes inside
+                continue
+            dense = False
+            break
+    plane_base = np.empty(len(planes), dtype=np.int64)
+    rows: list[tuple[int, int, int, int, int]] = []
+    if dense:
+        start = 0
+        for r in sorted(by_region):
+            members = by_region[r]
+            o0 = min(planes[i].offset for i in members)
+            region = layout.regions[r]
+            count = len(members) * nb * slots
+            rows.append((region.addr + o0, unit, region.device_id, unit, count))
+            for i in members:
+                plane_base[i] = start + (planes[i].offset - o0) // unit
+            start += count
+        blk_mult, slot_mult = stride // unit, 1
+    elif block_dense:  # padded blocks: one dense row per (plane, block), so a block's units still merge
+        for i, p in enumerate(planes):
+            region = layout.regions[p.region]
+            plane_base[i] = i * nb * slots
+            base = region.addr + p.offset
+            rows.extend((base + b * stride, unit, region.device_id, unit, slots) for b in range(nb))
+        blk_mult, slot_mult = slots, 1
+    else:  # one row per (plane, slot): units of a block are not adjacent, nothing can merge
+        for i, p in enumerate(planes):
+            region = layout.regions[p.region]
+            plane_base[i] = i * slots * nb
+            for k in range(slots):
+                rows.append((region.addr + p.offset + int(slot_off[k]), unit, region.device_id, stride, nb))
+        blk_mult, slot_mult = 1, nb
+    total = len(planes) * nb * slots
+    if total > _INT32_MAX:
+        raise LayoutError(f"{total} units do not fit NIXL's int32 indices; use a larger block size")
+    return SideUnits(
+        np.asarray(rows, dtype=np.int64),
+        plane_base,
+        blk_mult,
+        slot_mult,
+        dense or block_dense,
+        block_outer,
+        slots,
+    )
+
+
+def pair_units(src: KVLayout, dst: KVLayout, heads: tuple[int, int] | None = None) -> PairUnits:
+    """Precompute the prepared-list geometry of a (prefill rank, decode rank) pair; both placed in memory."""
+    check_compatible(src, dst)
+    if not src.planes or not dst.planes:
+        raise LayoutError("both layouts must be placed in memory (regions and planes) to prepare lists")
+    if heads is None:
+        heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
+    g0, g1 = heads
+    if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
+        raise LayoutError(
+            f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
+        )
+    mode, chunk, unit = _mode(src, dst, heads)
+    layer = np.asarray(
+        [layer for layer in range(src.num_layers) for _ in range(src.kv_per_layer)], dtype=np.int64
+    )
+    return PairUnits(
+        src,
+        dst,
+        heads,
+        mode,
+        chunk,
+        unit,
+        _side(src, mode, chunk, unit, heads),
+        _side(dst, mode, chunk, unit, heads),
+        layer,
+    )
+
+
+def _piece_index(
+    layout: KVLayout, side: SideUnits, mode: str, chunk: int, table: I64, tok: I64, head: I64
+) -> I64:
+    """Per-piece index inside a plane: blk * blk_mult + slot * slot_mult."""
+    bs = layout.block_size
+    blk = table[tok // bs]
+    t_in = tok % bs
+    if mode == "token":
+        slot = t_in
+    elif mode == "nhd":
+        slot = t_in // chunk
+    else:
+        slot = (head - layout.kv_heads[0]) * (bs // chunk) + t_in // chunk
+    return blk * side.blk_mult + slot * side.slot_mult
+
+
+def build_index_plan(
+    pair: PairUnits,
+    src_blocks: Sequence[int],
+    dst_blocks: Sequence[int],
+    num_tokens: int,
+    layers: range | None = None,
+) -> IndexPlan:
+    """The first `num_tokens` tokens of src's blocks onto dst's blocks, as prepared-list indices.
+
+    `layers` restricts the plan to a layer range (a later layer-streamed push posts one per group).
+    """
+    src, dst = pair.src, pair.dst
+    if num_tokens <= 0:
+        raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
+    num_tokens = src.tokens_to_move(num_tokens)
+    n_src = blocks_for(num_tokens, src.block_size)
+    s_tab = np.asarray(check_block_table(src, src_blocks, num_tokens, "prefill"), dtype=np.int64)
+    d_tab = np.asarray(check_block_table(dst, dst_blocks, num_tokens, "decode"), dtype=np.int64)
+    g0, g1 = pair.heads
+    if pair.mode == "hnd":
+        starts = np.arange(0, num_tokens, pair.chunk, dtype=np.int64)
+        nh = g1 - g0
+        tok = np.repeat(starts, nh)
+        head = np.tile(np.arange(g0, g1, dtype=np.int64), starts.shape[0])
+    else:
+        tok = np.arange(0, num_tokens, pair.chunk, dtype=np.int64)
+        head = tok  # unused outside "hnd"
+    s_p = _piece_index(src, pair.s, pair.mode, pair.chunk, s_tab, tok, head)
+    d_p = _piece_index(dst, pair.d, pair.mode, pair.chunk, d_tab, tok, head)
+    if s_p.shape[0] > 1 and not bool(np.all(s_p[1:] > s_p[:-1])):
+        order = np.argsort(s_p, kind="stable")  # ascending source: runs become consecutive indices
+        s_p, d_p = s_p[order], d_p[order]
+    planes = np.arange(pair.plane_layer.shape[0])
+    if layers is not None:
+        if layers.start < 0 or layers.stop > src.num_layers:
+            raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
+        planes = planes[(pair.plane_layer >= layers.start) & (pair.plane_layer < layers.stop)]
+    s_base, d_base = pair.s.plane_base[planes], pair.d.plane_base[planes]
+    if pair.s.block_outer:  # block-major: piece outer, planes inner, so one block's planes are adjacent
+        s_idx = (s_p[:, None] + s_base[None, :]).ravel()
+        d_idx = (d_p[:, None] + d_base[None, :]).ravel()
+        if pair.s.slots > 1:  # several units per plane in a block: memory order is block, plane, slot
+            order = np.argsort(s_idx, kind="stable")
+            s_idx, d_idx = s_idx[order], d_idx[order]
+    else:
+        order = np.argsort(s_base, kind="stable")
+        s_base, d_base = s_base[order], d_base[order]
+        s_idx = (s_base[:, None] + s_p[None, :]).ravel()
+        d_idx = (d_base[:, None] + d_p[None, :]).ravel()
+    if pair.mergeable and s_idx.shape[0] > 1:
+        breaks = np.count_nonzero((s_idx[1:] != s_idx[:-1] + 1) | (d_idx[1:] != d_idx[:-1] + 1))
+        n_desc = int(breaks) + 1
+    else:
+        n_desc = int(s_idx.shape[0])
+    return IndexPlan(
+        s_idx.astype(np.int32), d_idx.astype(np.int32), pair.unit_bytes, n_desc, num_tokens, n_src
+    )
