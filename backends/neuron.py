@@ -1,32 +1,384 @@
 """Neuron device memory (Trainium), pushed with NIXL's LIBFABRIC backend over EFA (Neuron Direct RDMA).
 
-NIXL registers Neuron device memory as VRAM; its LIBFABRIC plugin marks it FI_HMEM_NEURON and picks the
-EFA rail attached to the Neuron device. kvpush needs only the cache's device address, size and device
-index, which the serving stack (vLLM-Neuron) owns; this module turns them into a layout and a config.
+NIXL registers Neuron HBM as VRAM; its LIBFABRIC plugin marks it FI_HMEM_NEURON and picks the EFA rail
+attached to the device (`nrt_get_attached_efa_bdf`). That works only when every prerequisite holds, and
+several fail *silently* (device memory registered as host memory), so they are checked here with named
+errors (facts and sources: ../shared/notes/neuron.md):
 
-Not run here: no Trainium, no EFA, and the LIBFABRIC plugin needs libfabric >= 1.21. Tests cover the
-configuration and the clear error when the backend cannot load.
+* NEURON_RT_MAP_HBM=1 set before the Neuron runtime initialises: without it device tensors have no
+  address (`data_ptr() == 0`) to register;
+* the runtime initialised before the NIXL agent is created (libfabric's HMEM init must see it, otherwise
+  Neuron memory silently registers as FI_HMEM_SYSTEM);
+* a runtime that exports `nrt_get_attached_efa_bdf` (Neuron Runtime >= 2.31.24, SDK 2.29);
+* LIBFABRIC loaded and listing VRAM (kvpush.transport.nixl.check_backend);
+* FI_EFA_ENABLE_SHM_TRANSFER=0 when prefill and decode share a host (libfabric's shm provider cannot copy
+  Neuron memory: wrong output, no error).
+
+vllm-neuron hands over one tensor per attention layer, (2, B, H, N, D): the layout probe makes one region
+per layer tensor with a K and a V plane; `NeuronKVCache` wraps them. The runtime is reached through
+ctypes (`NeuronRuntime`); tests load a stand-in library written in this project instead of libnrt.
+
+Not run here: no Trainium, no EFA. The stand-in exercises the probing, the checks and the staging copies.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
 from kvpush.config import KVPushConfig
-from kvpush.protocol.layout import KVLayout, LayoutError, packed_planes
+from kvpush.errors import ConfigError, LayoutError
+from kvpush.protocol.layout import KVLayout, Region, packed_planes
+
+from .base import Barrier, Bytes
+
+EFA_BDF_SYMBOL = "nrt_get_attached_efa_bdf"
+EFA_BDF_MIN_RUNTIME = (2, 31, 24)  # first runtime exporting it (SDK 2.29.0)
+NRT_UNINITIALIZED = 13
+LIBNRT_CANDIDATES = ("/opt/aws/neuron/lib/libnrt.so.1", "libnrt.so.1")
+MAP_HBM_HELP = (
+    "set NEURON_RT_MAP_HBM=1 in the environment before the Neuron runtime initialises (before the first "
+    "Neuron tensor or torch-neuronx runtime call): without it Neuron device memory has no address that "
+    "NIXL can register"
+)
+
+
+class NeuronPrerequisiteError(ConfigError):
+    """A Neuron, libfabric or environment prerequisite of device-direct transfer does not hold."""
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [
+        ("rt_major", ctypes.c_uint64),
+        ("rt_minor", ctypes.c_uint64),
+        ("rt_patch", ctypes.c_uint64),
+        ("rt_maintenance", ctypes.c_uint64),
+        ("rt_detail", ctypes.c_char * 128),
+        ("git_hash", ctypes.c_char * 64),
+    ]
+
+
+class NeuronRuntime:
+    """The parts of libnrt kvpush uses, through ctypes (signatures as in the SDK's nrt.h)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: str) -> None:
+        self.lib = lib
+        self.path = path
+        if self.has_symbol("nrt_tensor_get_va"):
+            lib.nrt_tensor_get_va.restype = ctypes.c_void_p
+            lib.nrt_tensor_get_va.argtypes = [ctypes.c_void_p]
+        for name in ("nrt_tensor_read", "nrt_tensor_write"):
+            if self.has_symbol(name):
+                fn = getattr(lib, name)
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+
+    @classmethod
+    def load(cls, path: str | None = None) -> NeuronRuntime:
+        """libnrt from `path`, else /opt/aws/neuron/lib, else the loader path (where vllm-neuron's torch
+        already mapped it); NeuronPrerequisiteError when none loads."""
+        errors = []
+        for cand in (path,) if path else LIBNRT_CANDIDATES:
+            try:
+                return cls(ctypes.CDLL(cand), cand)
+            except OSError as exc:
+                errors.append(f"{cand}: {exc}")
+        raise NeuronPrerequisiteError("the Neuron runtime library is not loadable: " + "; ".join(errors))
+
+    def has_symbol(self, name: str) -> bool:
+        return hasattr(self.lib, name)
+
+    def version(self) -> tuple[int, int, int, int]:
+        v = _Version()
+        if self.lib.nrt_get_version(ctypes.byref(v), ctypes.sizeof(v)) != 0:
+            raise NeuronPrerequisiteError(f"nrt_get_version failed in {self.path}")
+        return int(v.rt_major), int(v.rt_minor), int(v.rt_patch), int(v.rt_maintenance)
+
+    def initialised(self) -> bool:
+        """Whether the runtime is up (its getters return NRT_UNINITIALIZED before nrt_init)."""
+        n = ctypes.c_uint32(0)
+        return int(self.lib.nrt_get_visible_nc_count(ctypes.byref(n))) != NRT_UNINITIALIZED
+
+    def attached_efa_bdf(self, va: int) -> str | None:
+        """The PCI address of the EFA attached to the device owning `va` (None when the query fails)."""
+        if not self.has_symbol(EFA_BDF_SYMBOL):
+            return None
+        buf = ctypes.create_string_buffer(32)
+        n = ctypes.c_size_t(len(buf))
+        rc = self.lib.nrt_get_attached_efa_bdf(ctypes.c_void_p(va), buf, ctypes.byref(n))
+        return buf.value.decode() if rc == 0 else None
+
+    # device tensors (used by the stand-in tests and by staging through the runtime)
+    def tensor_allocate(self, nbytes: int, logical_nc: int = 0, name: str = "kvpush") -> int:
+        handle = ctypes.c_void_p()
+        rc = self.lib.nrt_tensor_allocate(
+            0, logical_nc, ctypes.c_size_t(nbytes), name.encode(), ctypes.byref(handle)
+        )
+        if rc != 0 or not handle.value:
+            raise NeuronPrerequisiteError(f"nrt_tensor_allocate of {nbytes} bytes failed (status {rc})")
+        return int(handle.value)
+
+    def tensor_va(self, handle: int) -> int:
+        return int(self.lib.nrt_tensor_get_va(ctypes.c_void_p(handle)) or 0)
+
+    def tensor_read(self, handle: int, offset: int, out: Bytes) -> None:
+        rc = self.lib.nrt_tensor_read(ctypes.c_void_p(handle), int(out.ctypes.data), offset, out.nbytes)
+        if rc != 0:
+            raise LayoutError(f"nrt_tensor_read of {out.nbytes} bytes at {offset} failed (status {rc})")
+
+    def tensor_write(self, handle: int, offset: int, src: Bytes) -> None:
+        rc = self.lib.nrt_tensor_write(ctypes.c_void_p(handle), int(src.ctypes.data), offset, src.nbytes)
+        if rc != 0:
+            raise LayoutError(f"nrt_tensor_write of {src.nbytes} bytes at {offset} failed (status {rc})")
+
+    def tensor_free(self, handle: int) -> None:
+        h = ctypes.c_void_p(handle)
+        self.lib.nrt_tensor_free(ctypes.byref(h))
+
+
+def neuron_environment(single_host: bool) -> dict[str, str]:
+    """What the Neuron runtime and libfabric must see, set before either starts."""
+    env = {"NEURON_RT_MAP_HBM": "1", "FI_PROVIDER": "efa"}
+    if single_host:
+        env["FI_EFA_ENABLE_SHM_TRANSFER"] = "0"
+    return env
+
+
+def apply_neuron_environment(
+    single_host: bool, environ: MutableMapping[str, str] | None = None, runtime: NeuronRuntime | None = None
+) -> dict[str, str]:
+    """Set the Neuron environment (returns what was set); refuse a conflicting value, and refuse when the
+    runtime is already up without NEURON_RT_MAP_HBM=1 (it reads the variable only when it starts)."""
+    env = os.environ if environ is None else environ
+    if runtime is not None and runtime.initialised() and env.get("NEURON_RT_MAP_HBM") != "1":
+        raise NeuronPrerequisiteError(
+            f"the Neuron runtime is already initialised without HBM mapping; {MAP_HBM_HELP}"
+        )
+    changed = {}
+    for key, value in neuron_environment(single_host).items():
+        have = env.get(key)
+        if have is None:
+            env[key] = value
+            changed[key] = value
+        elif have != value:
+            raise NeuronPrerequisiteError(
+                f"{key}={have} but Neuron device-direct transfer needs {key}={value}"
+            )
+    return changed
+
+
+def check_neuron_prerequisites(
+    runtime: NeuronRuntime,
+    *,
+    single_host: bool,
+    regions: Sequence[Region] = (),
+    agent: Any = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Raise NeuronPrerequisiteError (or TransportError for the NIXL checks) naming the first broken one.
+
+    Call after the runtime is initialised and the KV tensors exist, before the NIXL agent is created
+    (`agent=None`), and again with the agent to check LIBFABRIC and VRAM.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("NEURON_RT_MAP_HBM") != "1":
+        raise NeuronPrerequisiteError(
+            f"NEURON_RT_MAP_HBM is {env.get('NEURON_RT_MAP_HBM')!r}; {MAP_HBM_HELP}"
+        )
+    if not runtime.initialised():
+        raise NeuronPrerequisiteError(
+            "the Neuron runtime is not initialised: initialise it (vllm-neuron: the worker's "
+            "torch.classes.neuron.Runtime().initialize()) before creating the NIXL agent, otherwise NIXL's "
+            "LIBFABRIC silently registers Neuron memory as host memory (FI_HMEM_SYSTEM)"
+        )
+    if not runtime.has_symbol(EFA_BDF_SYMBOL):
+        have = ".".join(map(str, runtime.version()))
+        need = ".".join(map(str, EFA_BDF_MIN_RUNTIME))
+        raise NeuronPrerequisiteError(
+            f"Neuron runtime {have} ({runtime.path}) lacks {EFA_BDF_SYMBOL}: NIXL then cannot pick the EFA "
+            f"attached to each device; device-direct needs runtime >= {need} (Neuron SDK >= 2.29)"
+        )
+    if single_host and env.get("FI_EFA_ENABLE_SHM_TRANSFER") != "0":
+        raise NeuronPrerequisiteError(
+            "prefill and decode share this host: set FI_EFA_ENABLE_SHM_TRANSFER=0 (libfabric's shm provider "
+            "cannot copy Neuron memory and requests produce wrong output)"
+        )
+    for r in regions:
+        if r.addr == 0:
+            raise NeuronPrerequisiteError(
+                f"a KV cache region of {r.nbytes} bytes has address 0; {MAP_HBM_HELP}"
+            )
+    if agent is not None:
+        from kvpush.transport.nixl import check_backend
+
+        check_backend(agent, "LIBFABRIC", ["VRAM"])
+
+
+def neuron_kv_written_barrier(torch_module: Any = None) -> Barrier:
+    """The "KV of this step is in HBM" barrier, recorded on the engine thread without waiting.
+
+    Uses torch's device-generic event (`torch.Event("neuron")`) where torch-neuronx implements it, else
+    a device synchronise run later on the push thread. Unverified on hardware (no Trainium here).
+    """
+    if torch_module is None:
+        import torch as torch_module
+    event_cls = getattr(torch_module, "Event", None)
+    if event_cls is not None:
+        try:
+            ev = event_cls(device="neuron")
+            ev.record()
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError):
+            pass
+        else:
+            sync: Barrier = ev.synchronize
+            return sync
+    neuron = getattr(torch_module, "neuron", None)
+    synchronize = getattr(neuron, "synchronize", None)
+    if callable(synchronize):
+        return lambda: synchronize()
+    raise NeuronPrerequisiteError(
+        "torch has no Neuron event or synchronize: cannot build a KV-written barrier"
+    )
 
 
 class NeuronKVCache:
-    """A rank's KV cache that already lives in Neuron device memory (allocated by the engine)."""
+    """A rank's KV cache in Neuron device memory, owned by the engine or allocated through the runtime.
+
+    `layout` is placed in device memory (one region per layer tensor, K and V planes inside);
+    `read`/`write` copy a region's bytes to/from host (torch copies for engine tensors, nrt_tensor_read /
+    write for runtime tensors). Region addresses of 0 are refused with the MAP_HBM explanation.
+    """
 
     mem_type = "VRAM"
+    device_type = "neuron"
 
-    def __init__(self, layout: KVLayout, device_addr: int, nbytes: int, neuron_device: int) -> None:
-        need = layout.num_blocks * layout.block_stride * layout.num_layers * layout.kv_per_layer
-        if nbytes < need:
-            raise LayoutError(f"Neuron buffer of {nbytes} bytes is smaller than the layout's {need}")
-        if device_addr <= 0:
-            raise LayoutError("Neuron buffer address must be a device address > 0")
-        self.layout = packed_planes(layout, device_addr, device_id=neuron_device)
-        self.nbytes = nbytes
+    def __init__(
+        self,
+        layout: KVLayout,
+        read: Callable[[int, int, Bytes], None],
+        write: Callable[[int, int, Bytes], None],
+        barrier: Callable[[], Barrier | None] | None = None,
+        keepalive: object = None,
+    ) -> None:
+        if not layout.regions:
+            raise LayoutError("NeuronKVCache needs a layout placed in device memory")
+        for r in layout.regions:
+            if r.addr == 0:
+                raise NeuronPrerequisiteError(
+                    f"a Neuron KV region of {r.nbytes} bytes has address 0; {MAP_HBM_HELP}"
+                )
+        self.layout = layout
+        self._read, self._write = read, write
+        self._barrier = barrier if barrier is not None else neuron_kv_written_barrier
+        self._keepalive = keepalive
+
+    @property
+    def device_id(self) -> int:
+        return self.layout.regions[0].device_id
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return self.layout.regions
+
+    def kv_written_barrier(self) -> Barrier | None:
+        return self._barrier()
+
+    def read_into(self, region: int, offset: int, out: Bytes) -> None:
+        self._read(region, offset, out)
+
+    def write_from(self, region: int, offset: int, src: Bytes) -> None:
+        self._write(region, offset, src)
+
+    @classmethod
+    def allocate(
+        cls,
+        geometry: KVLayout,
+        runtime: NeuronRuntime,
+        logical_nc: int = 0,
+        barrier: Callable[[], Barrier | None] | None = None,
+    ) -> NeuronKVCache:
+        """One runtime tensor per layer holding its K and V planes, as vllm-neuron lays them out."""
+        per_layer = packed_planes(KVLayout(**{**_geometry_kwargs(geometry), "num_layers": 1}), 0x1000)
+        layer_bytes = per_layer.regions[0].nbytes
+        handles = [
+            runtime.tensor_allocate(layer_bytes, logical_nc, f"kv{i}") for i in range(geometry.num_layers)
+        ]
+        vas = [runtime.tensor_va(h) for h in handles]
+        if any(va == 0 for va in vas):
+            for h in handles:
+                runtime.tensor_free(h)
+            raise NeuronPrerequisiteError(
+                f"Neuron runtime tensors have no virtual address (0); {MAP_HBM_HELP}"
+            )
+        regions = tuple(Region(va, layer_bytes, logical_nc) for va in vas)
+        planes = tuple(
+            type(p)(layer, p.kv, layer, p.offset)
+            for layer in range(geometry.num_layers)
+            for p in per_layer.planes
+        )
+        layout = geometry.with_memory(regions, planes)
+
+        def read(region: int, offset: int, out: Bytes) -> None:
+            runtime.tensor_read(handles[region], offset, out)
+
+        def write(region: int, offset: int, src: Bytes) -> None:
+            runtime.tensor_write(handles[region], offset, src)
+
+        cache = cls(layout, read, write, barrier=barrier or (lambda: None), keepalive=handles)
+        cache.handles = handles
+        cache.runtime = runtime
+        return cache
+
+    @classmethod
+    def from_tensors(cls, layout: KVLayout, tensors: list[Any]) -> NeuronKVCache:
+        """vllm-neuron's KV tensors (one per region, in region order, as the layout probe placed them).
+
+        Host copies go through torch on flat uint8 views of the tensors' storages; a host -> device copy
+        is followed by the device barrier so it is complete before the request is reported ready.
+        Unverified on hardware.
+        """
+        import torch
+
+        if len(tensors) != len(layout.regions):
+            raise LayoutError(f"{len(tensors)} tensors for {len(layout.regions)} regions")
+        flat = [torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()) for t in tensors]
+
+        def read(region: int, offset: int, out: Bytes) -> None:
+            torch.from_numpy(out).copy_(flat[region][offset : offset + out.nbytes].cpu())
+
+        def write(region: int, offset: int, src: Bytes) -> None:
+            flat[region][offset : offset + src.nbytes].copy_(torch.from_numpy(src))
+            neuron_kv_written_barrier(torch)()
+
+        return cls(layout, read, write, keepalive=tensors)
+
+    handles: list[int]
+    runtime: NeuronRuntime
+
+    def free(self) -> None:
+        """Free runtime-allocated tensors (engine-owned tensors are the engine's)."""
+        for h in getattr(self, "handles", []):
+            self.runtime.tensor_free(h)
+        self.handles = []
+
+
+def _geometry_kwargs(layout: KVLayout) -> dict[str, Any]:
+    return {
+        "num_layers": layout.num_layers,
+        "block_size": layout.block_size,
+        "num_blocks": layout.num_blocks,
+        "total_kv_heads": layout.total_kv_heads,
+        "head_dim": layout.head_dim,
+        "dtype_size": layout.dtype_size,
+        "tp_rank": layout.tp_rank,
+        "tp_size": layout.tp_size,
+        "kv_per_layer": layout.kv_per_layer,
+        "token_order": layout.token_order,
+        "block_stride": layout.block_stride,
+        "model_tag": layout.model_tag,
+        "atomic_blocks": layout.atomic_blocks,
+    }
 
 
 def neuron_config(engine_id: str, host: str, port: int = 5600, **overrides: object) -> KVPushConfig:

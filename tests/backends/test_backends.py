@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpush.backends.host import HostKVCache
-from kvpush.backends.neuron import NeuronKVCache, neuron_config
-from kvpush.protocol.layout import KVLayout, LayoutError
+from kvpush.backends.neuron import NeuronKVCache, NeuronPrerequisiteError, neuron_config
+from kvpush.protocol.layout import KVLayout, packed_planes
 from kvpush.transport.base import TransportError
 from kvpush.transport.nixl import NixlTransport
 
@@ -21,13 +21,15 @@ def test_host_cache_places_every_plane_inside_its_region():
     assert not cache.buffer.any()  # prefaulted with zeros
 
 
-def test_neuron_layout_and_config():
-    cache = NeuronKVCache(LAYOUT, device_addr=0x7F0000000000, nbytes=1 << 22, neuron_device=3)
-    assert cache.mem_type == "VRAM" and cache.layout.regions[0].device_id == 3
+def test_neuron_config_selects_libfabric():
     cfg = neuron_config("trn-prefill", "10.0.0.7")
     assert cfg.backends == ("LIBFABRIC",) and cfg.ucx_net_devices is None and cfg.port == 5600
-    with pytest.raises(LayoutError, match="smaller"):
-        NeuronKVCache(LAYOUT, device_addr=0x1000, nbytes=10, neuron_device=0)
+
+
+def test_neuron_cache_refuses_address_zero_with_the_map_hbm_explanation():
+    placed = packed_planes(LAYOUT, 0)
+    with pytest.raises(NeuronPrerequisiteError, match="NEURON_RT_MAP_HBM=1"):
+        NeuronKVCache(placed, lambda *a: None, lambda *a: None)
 
 
 def test_libfabric_unavailable_here_fails_with_a_clear_error():
