@@ -44,11 +44,13 @@ class InstanceProfile:
     kv_buffer_device: str
 
 
+# kv_buffer_device: what vLLM's kv_transfer_config gets. vllm-neuron expects "cuda" (device HBM registered as
+# VRAM); "neuron" fails vLLM's "{device_type} with {kv_buffer_device} kv_buffer is not supported" check.
 PROFILES: dict[str, InstanceProfile] = {
     "p5en.48xlarge": InstanceProfile(16, "nvidia", 8, 8, "cuda"),
-    "trn1.32xlarge": InstanceProfile(8, "neuron", 16, 32, "neuron"),
-    "trn1n.32xlarge": InstanceProfile(16, "neuron", 16, 32, "neuron"),
-    "trn2.48xlarge": InstanceProfile(16, "neuron", 16, 64, "neuron"),
+    "trn1.32xlarge": InstanceProfile(8, "neuron", 16, 32, "cuda"),
+    "trn1n.32xlarge": InstanceProfile(16, "neuron", 16, 32, "cuda"),
+    "trn2.48xlarge": InstanceProfile(16, "neuron", 16, 64, "cuda"),
 }
 
 

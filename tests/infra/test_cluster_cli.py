@@ -249,7 +249,7 @@ def test_env_to_stdout_uses_the_instance_types_tp(aws: Any, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert (
         "PREFILL_TP_SIZE=64\n" in out
-        and "KV_BUFFER_DEVICE=neuron\n" in out
+        and "KV_BUFFER_DEVICE=cuda\n" in out
         and "SIDE_CHANNEL_PORT=6000\n" in out
     )
 

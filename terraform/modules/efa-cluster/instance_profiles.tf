@@ -24,7 +24,7 @@ locals {
       max_efa_interfaces = 8
       card_gbps          = 100
       default_tp_size    = 32
-      kv_buffer_device   = "neuron"
+      kv_buffer_device   = "cuda" # vllm-neuron: "cuda" = device HBM as VRAM; "neuron" fails vLLM's check
       ami_ssm_parameter  = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
     }
     "trn1n.32xlarge" = {
@@ -35,7 +35,7 @@ locals {
       max_efa_interfaces = 16
       card_gbps          = 100
       default_tp_size    = 32
-      kv_buffer_device   = "neuron"
+      kv_buffer_device   = "cuda" # vllm-neuron: "cuda" = device HBM as VRAM; "neuron" fails vLLM's check
       ami_ssm_parameter  = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
     }
     "trn2.48xlarge" = {
@@ -46,7 +46,7 @@ locals {
       max_efa_interfaces = 16
       card_gbps          = 200
       default_tp_size    = 64
-      kv_buffer_device   = "neuron"
+      kv_buffer_device   = "cuda" # vllm-neuron: "cuda" = device HBM as VRAM; "neuron" fails vLLM's check
       ami_ssm_parameter  = "/aws/service/neuron/dlami/multi-framework/ubuntu-24.04/latest/image_id"
     }
   }
