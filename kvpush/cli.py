@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve-pd": ("kvpush.platforms.vllm.tools.serve_pd", "start prefill, decode and proxy on 127.0.0.1"),
     "bench-vllm": ("kvpush.platforms.vllm.tools.bench_vllm", "head-to-head of vLLM connectors on real vLLM"),
     "cluster": ("kvpush.apps.cluster", "find and check the AWS test cluster's nodes"),
+    "doctor": ("kvpush.apps.doctor", "what this host offers kvpush; the memory path and transport it picks"),
 }
 
 
