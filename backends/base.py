@@ -10,9 +10,9 @@ The choice of backend is never a default: it follows from the KV tensors' device
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -121,3 +121,56 @@ def whole_cache_to_host(cache: KVCache) -> list[Bytes]:
         cache.read_into(i, 0, buf)
         out.append(buf)
     return out
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    """What an engine integration needs from the backend: the cache (for the KV-written barrier), the
+    layout and memory type to register with the endpoint, and the staging hooks (None: device-direct)."""
+
+    cache: KVCache
+    choice: BackendChoice
+    layout: KVLayout
+    mem_type: str
+    hooks: object | None  # a kvpush.endpoint.TransferHooks when staged
+
+
+def setup_for_tensors(
+    layout: KVLayout,
+    kv_caches: Mapping[str, Any],
+    kv_buffer_device: str,
+    *,
+    force_staging: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> CacheSetup:
+    """The backend for an engine's KV tensors, as the layout probe placed them (`layout` from
+    `probe_layout`; `kv_caches` the same dict). Picks by the tensors' device and kv_buffer_device."""
+    tensors: list[Any] = []
+    seen: set[int] = set()
+    for t in kv_caches.values():
+        base = int(t.untyped_storage().data_ptr())
+        if base not in seen:
+            seen.add(base)
+            tensors.append(t)
+    if not tensors:
+        raise ConfigError("no KV cache tensors")
+    choice = select_backend(str(tensors[0].device.type), kv_buffer_device, force_staging)
+    cache: KVCache
+    if choice.backend == "host":
+        from .host import HostMemoryKVCache
+
+        cache = HostMemoryKVCache(layout, keepalive=tensors)
+    elif choice.backend == "cuda":
+        from .cuda import CudaTensorKVCache
+
+        cache = CudaTensorKVCache(layout, tensors, environ)
+    else:
+        from .neuron import NeuronKVCache
+
+        cache = NeuronKVCache.from_tensors(layout, tensors)
+    if not choice.staged:
+        return CacheSetup(cache, choice, layout, choice.mem_type, None)
+    from .staging import HostStaging
+
+    staging = HostStaging(cache)
+    return CacheSetup(cache, choice, staging.layout, staging.mem_type, staging)

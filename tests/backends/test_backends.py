@@ -36,3 +36,19 @@ def test_libfabric_unavailable_here_fails_with_a_clear_error():
     """The agent must not come up without the backend it was asked for (NIXL only warns)."""
     with pytest.raises(TransportError, match="LIBFABRIC"):
         NixlTransport("lf-probe", backends=("LIBFABRIC",), environ={})
+
+
+def test_setup_for_vllm_cpu_tensors_picks_host_memory_and_never_defaults():
+    import torch
+
+    from kvpush.backends.base import setup_for_tensors
+    from kvpush.errors import ConfigError
+    from kvpush.platforms.vllm.layout_probe import CPU_VIEW, probe_layout
+
+    caches = {f"l{i}": torch.zeros(4, 2, 16, 64, dtype=torch.float16) for i in range(2)}
+    probed = probe_layout(caches, block_size=16, total_kv_heads=2, tp_rank=0, tp_size=1, declared=CPU_VIEW)
+    setup = setup_for_tensors(probed.layout, caches, "cpu")
+    assert setup.mem_type == "DRAM" and setup.hooks is None and setup.layout is probed.layout
+    assert setup.cache.kv_written_barrier() is None and len(setup.cache.regions) == 2
+    with pytest.raises(ConfigError, match="kv_buffer_device"):
+        setup_for_tensors(probed.layout, caches, "cuda")
