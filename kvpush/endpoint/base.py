@@ -8,7 +8,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..config import KVPushConfig
@@ -50,6 +50,8 @@ class SendResult:
     reason: str = ""
     nbytes: int = 0
     done_at: float = 0.0
+    # monotonic marks of this request on the push thread (see kvpush.endpoint.prefill.TIMELINE)
+    timeline: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 @dataclass(frozen=True)

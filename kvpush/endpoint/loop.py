@@ -151,6 +151,10 @@ class Worker:
         """Requests the worker's state machine still tracks (leases and timeouts need ticks)."""
         return 0
 
+    def in_flight(self) -> bool:
+        """True while a transfer this worker posted is on the wire: poll without backing off."""
+        return False
+
     def idle_wait_ms(self) -> int:
         """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
         timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
@@ -198,7 +202,9 @@ class Worker:
                     self.doorbell.clear()
                 else:
                     time.sleep(nap)
-                nap = min(nap * 2, slowest)
+                # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
+                # when we poll); back off only while nothing of ours is on the wire
+                nap = fast if self.in_flight() else min(nap * 2, slowest)
             else:
                 self.poller.poll(self.idle_wait_ms())
                 self.doorbell.clear()

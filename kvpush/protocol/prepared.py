@@ -85,9 +85,10 @@ class IndexPlan:
     num_descriptors: int  # after merging consecutive indices (what NIXL posts)
     num_tokens: int
     num_blocks: int  # source blocks covered
+    nbytes: int  # the request's KV bytes (what build_plan moves); wire_bytes adds the last unit's rest
 
     @property
-    def nbytes(self) -> int:
+    def wire_bytes(self) -> int:
         return int(self.src_idx.shape[0]) * self.unit_bytes
 
 
@@ -281,6 +282,7 @@ def build_index_plan(
         n_desc = int(breaks) + 1
     else:
         n_desc = int(s_idx.shape[0])
+    exact = num_tokens * (g1 - g0) * src.unit_bytes * int(planes.shape[0])
     return IndexPlan(
-        s_idx.astype(np.int32), d_idx.astype(np.int32), pair.unit_bytes, n_desc, num_tokens, n_src
+        s_idx.astype(np.int32), d_idx.astype(np.int32), pair.unit_bytes, n_desc, num_tokens, n_src, exact
     )

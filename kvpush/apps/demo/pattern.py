@@ -18,8 +18,13 @@ U8 = npt.NDArray[np.uint8]
 def _plane_view(buffer: U8, layout: KVLayout, layer: int, kv: int) -> U8:
     """The plane as (blocks, block_size, heads, unit) for NHD or (blocks, heads, block_size, unit) for HND."""
     p = layout.plane(layer, kv)
-    raw = buffer[p.offset : p.offset + layout.num_blocks * layout.block_stride]
-    blocks = raw.reshape(layout.num_blocks, layout.block_stride)[:, : layout.block_bytes]
+    span = (layout.num_blocks - 1) * layout.block_stride + layout.block_bytes
+    if p.offset + span > buffer.shape[0]:
+        raise ValueError(f"plane ({layer}, {kv}) overruns the buffer")
+    # strided over the blocks, so block-major planes (interleaved inside each block) work as well
+    blocks = np.lib.stride_tricks.as_strided(
+        buffer[p.offset :], shape=(layout.num_blocks, layout.block_bytes), strides=(layout.block_stride, 1)
+    )
     h, bs, u = layout.num_kv_heads, layout.block_size, layout.unit_bytes
     shape = (layout.num_blocks, bs, h, u) if layout.token_order == "NHD" else (layout.num_blocks, h, bs, u)
     return blocks.reshape(shape)

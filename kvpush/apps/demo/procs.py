@@ -7,6 +7,7 @@ kvpush endpoints' background threads move the KV. Block tables are fragmented on
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import random
 import time
@@ -20,7 +21,8 @@ from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.protocol.layout import KVLayout, TokenOrder
+from kvpush.protocol.layout import KVLayout, TokenOrder, packed_planes
+from kvpush.protocol.plan import build_plan
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Geometry:
     num_blocks: int
     tp_size: int
     token_order: TokenOrder = "NHD"
+    block_major: bool = False
 
     def layout(self, rank: int) -> KVLayout:
         return KVLayout(
@@ -45,6 +48,7 @@ class Geometry:
             tp_rank=rank,
             tp_size=self.tp_size,
             token_order=self.token_order,
+            block_major=self.block_major,
         )
 
 
@@ -76,8 +80,33 @@ def _endpoints_config(engine_id: str, port: int) -> KVPushConfig:
     return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0)
 
 
+class BlockMajorHostCache:
+    """A host cache with the block-outermost placement (every layer's K and V of a block in one run).
+
+    HostKVCache sizes its buffer for layer-major planes; this one sizes it from layout.cache_bytes."""
+
+    mem_type = "DRAM"
+
+    def __init__(self, layout: KVLayout) -> None:
+        self._mmap = mmap.mmap(-1, max(layout.cache_bytes, 1))
+        self.buffer = np.frombuffer(self._mmap, dtype=np.uint8, count=layout.cache_bytes)
+        self.buffer.fill(0)  # prefault, as HostKVCache does
+        self.layout = packed_planes(layout, int(self.buffer.ctypes.data))
+
+    def to_host(self) -> np.ndarray:
+        return self.buffer
+
+    def from_host(self, host: np.ndarray) -> None:
+        if host is not self.buffer:
+            self.buffer[:] = host
+
+
 def make_cache(layout: KVLayout, device: str) -> Any:
     """Host DRAM or CUDA VRAM (--device cuda: every rank on GPU 0 unless more are visible)."""
+    if layout.block_major:
+        if device != "cpu":
+            raise ValueError("--layout block-major is implemented for --device cpu only")
+        return BlockMajorHostCache(layout)
     if device == "cuda":
         import torch
 
@@ -113,6 +142,46 @@ def _raw_transport(name: str, cache: Any) -> Any:
     return t
 
 
+def _reference(
+    raw: Any,
+    cache: Any,
+    kind: str,
+    peer: str,
+    label: str,
+    dst_layout: KVLayout,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    n: int,
+) -> tuple[Any, ...]:
+    """NIXL's own references for one request, rank 0 -> rank 0, timed from the post to the decode's
+    notification: (a) one prepared single-descriptor handle of the request's size, reposted; (b) the paged
+    descriptor list kvpush's plan would post (build_plan's maximal runs), prepared once and reposted.
+    Both are made and posted once untimed first, as a benchmark's warm-up does."""
+    plan = build_plan(cache.layout, dst_layout, src_blocks, dst_blocks, n)
+    if kind == "a":
+        src = np.array([[cache.layout.regions[0].addr, plan.nbytes, cache.layout.regions[0].device_id]])
+        dst = np.array([[dst_layout.regions[0].addr, plan.nbytes, dst_layout.regions[0].device_id]])
+    else:
+        src, dst = plan.nixl_descs()
+    src, dst = src.astype(np.int64), dst.astype(np.int64)
+    local = raw.prepare(None, src, cache.mem_type)
+    remote = raw.prepare(peer, dst, cache.mem_type)
+    idx = np.arange(src.shape[0], dtype=np.int32)
+    h = raw.make_write(local, idx, remote, idx, (label + "-warm").encode())
+    raw.repost(h)
+    while raw.poll(h) == "PROC":
+        pass
+    at = time.monotonic()
+    raw.repost(h, label.encode())
+    while raw.poll(h) == "PROC":
+        pass
+    done = time.monotonic()
+    raw.release(h)
+    raw.release_prepared(local)
+    raw.release_prepared(remote)
+    return ("ref_done", at, done, plan.nbytes, src.shape[0])
+
+
 def _logging() -> None:
     level = os.environ.get("KVPUSH_LOG")
     if level:
@@ -128,7 +197,7 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
     for ep in eps:
         ep.start()
     alloc = BlockAllocator(geo.num_blocks, seed, run)
-    live: dict[str, tuple[list[int], int, set[int], list[str]]] = {}
+    live: dict[str, tuple[list[int], int, set[int], list[str], dict[str, float]]] = {}
     raw: Any = None
     conn.send(("up", eps[0].address))
     try:
@@ -143,8 +212,8 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                         host = c.to_host()
                         fill(host, c.layout, blocks, n, tag)
                         c.from_host(host)
-                    live[rid] = (blocks, n, set(), [])
-                    conn.send(("prepared", rid))
+                    live[rid] = (blocks, n, set(), [], {})
+                    conn.send(("prepared", rid, blocks))
                 elif kind == "prefill_done":
                     rid = cmd[1]
                     blocks, n = live[rid][0], live[rid][1]
@@ -157,6 +226,8 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                 elif kind == "raw_peer":
                     raw = raw or _raw_transport("demo-raw-prefill", caches[0])
                     conn.send(("raw_peer", raw.add_peer(cmd[1])))
+                elif kind == "ref":
+                    conn.send(_reference(raw, caches[0], *cmd[1:]))
                 elif kind == "raw_write":
                     _, peer, dst_addr, dst_dev, nbytes, label = cmd
                     region = caches[0].layout.regions[0]
@@ -178,10 +249,12 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int
                     entry[2].add(rank)
                     if not res.ok:
                         entry[3].append(res.reason)
+                    if rank == 0:
+                        entry[4].update(res.timeline)
                     if len(entry[2]) == len(eps):
                         del live[res.request_id]
                         alloc.release(entry[0])
-                        conn.send(("released", res.request_id, not entry[3], "; ".join(entry[3])))
+                        conn.send(("released", res.request_id, not entry[3], "; ".join(entry[3]), entry[4]))
     finally:
         _shut_down(conn, eps, raw)
 
@@ -215,7 +288,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                     addr = PrefillAddress("demo-prefill", host, port, prefill_tp)
                     for ep in eps:
                         ep.expect(rid, blocks, n, addr)
-                    conn.send(("expected", rid, live[rid]["at"]))
+                    conn.send(("expected", rid, live[rid]["at"], blocks))
                 elif kind == "verify":  # outside the timed part: check every byte, scrub, free
                     entry = live.pop(cmd[1])
                     wrong = -1
@@ -233,7 +306,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                 elif kind == "raw_md":
                     raw = raw or _raw_transport("demo-raw-decode", caches[0])
                     region = caches[0].layout.regions[0]
-                    conn.send(("raw_md", raw.metadata(), region.addr, region.device_id))
+                    conn.send(("raw_md", raw.metadata(), region.addr, region.device_id, caches[0].layout))
                 elif kind == "raw_wait":
                     label = cmd[1].encode()
                     while True:
@@ -242,6 +315,12 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                             conn.send(("raw_notified", time.monotonic()))
                             break
                         time.sleep(20e-6)
+                elif kind == "scrub":  # after the references wrote into freed blocks
+                    for c in caches:
+                        h = c.to_host()
+                        scrub(h, c.layout, cmd[1])
+                        c.from_host(h)
+                    conn.send(("scrubbed",))
                 elif kind == "stats":
                     conn.send(_stats_reply(eps, alloc, geo))
                 elif kind == "stop":
