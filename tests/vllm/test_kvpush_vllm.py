@@ -7,6 +7,7 @@ that a layout mismatch stops the engine at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -201,6 +202,74 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
     )
     # and the pair still serves
     assert len(client.complete(pd.url, model, "import os", 4)) == 4
+
+
+def test_same_x_request_id_through_the_proxy_both_complete(pd, single, model: str) -> None:
+    """Clients may reuse X-Request-Id: the proxy's per-dispatch transfer_id keeps the two transfer keys
+    apart, so both requests complete with the right tokens and no block stays held (before, the first
+    was never reported on either engine and held its blocks for good)."""
+    prefill, decode = pd.engines
+    prompts = client.make_prompts(2, [400, 700], seed=21)
+    want = [client.complete(single.url, model, p, 8) for p in prompts]
+    rid = f"dup-{uuid.uuid4().hex[:8]}"
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            got[i] = client.complete(pd.url, model, prompts[i], 8, timeout=90, headers={"X-Request-Id": rid})
+        except (OSError, ValueError, KeyError) as exc:  # handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert [got.get(0), got.get(1)] == want
+    assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0, timeout=30), (
+        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}"
+    )
+    assert _wait(
+        lambda: _stats(pd, "decode")["outstanding"] == 0 and _stats(pd, "prefill")["outstanding"] == 0,
+        timeout=30,
+    )
+
+
+def test_colliding_transfer_key_fails_the_newcomer_and_keeps_the_first(pd, single, model: str) -> None:
+    """Without a transfer_id (not through kvpush's proxy) two live requests with one X-Request-Id share a
+    transfer key: the decode refuses the second at once (its blocks freed) and the first still gets its KV."""
+    prefill, decode = pd.engines
+    push = {
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": prefill.kv_port,
+        "tp_size": 1,
+        "pp_size": 1,
+    }
+    prompt = client.make_prompts(1, [300], seed=23)[0]
+    want = client.complete(single.url, model, prompt, 8)
+    rid = f"clash-{uuid.uuid4().hex[:8]}"
+    first: dict = {}
+    t = threading.Thread(target=lambda: first.update(_direct(decode.url, model, prompt, push, rid, 8, 90)))
+    t.start()
+    assert _wait(lambda: _stats(pd, "decode")["outstanding"] >= 1, timeout=20)
+    failed_before = _stats(pd, "decode")["recv_failed"]
+    t0 = time.monotonic()
+    # kv_load_failure_policy "fail": vLLM answers with an error (how it words it is vLLM's business)
+    with contextlib.suppress(urllib.error.HTTPError):
+        _direct(decode.url, model, prompt, push, rid, 8, timeout=30)
+    assert time.monotonic() - t0 < 20, "the colliding request was not refused at once"
+    assert _wait(lambda: _stats(pd, "decode")["recv_failed"] > failed_before)
+    assert first == {}, "the first request must still be waiting for its KV"
+    _direct(prefill.url, model, prompt, {"do_remote_decode": True}, rid, 1)
+    t.join(60)
+    assert first["choices"][0]["token_ids"] == want
+    assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0, timeout=30), (
+        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}"
+    )
 
 
 def test_layout_mismatch_fails_at_startup(pd, logs: Path) -> None:

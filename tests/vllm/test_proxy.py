@@ -216,7 +216,7 @@ def prefill_backend(url: str, i: int) -> PrefillBackend:
     )
 
 
-def expected_push_params(pb: PrefillBackend, request_id: str) -> dict[str, Any]:
+def expected_push_params(pb: PrefillBackend, request_id: str, transfer_id: str) -> dict[str, Any]:
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -227,7 +227,18 @@ def expected_push_params(pb: PrefillBackend, request_id: str) -> dict[str, Any]:
         "pp_size": pb.pp_size,
         "remote_request_id": request_id,
         "remote_block_ids": None,
+        "transfer_id": transfer_id,
+        "transfer_mode": None,
     }
+
+
+def check_push_pair(p: dict[str, Any], d: dict[str, Any], pb: PrefillBackend, request_id: str) -> str:
+    """The prefill and decode bodies of one push dispatch agree on one fresh transfer id; returns it."""
+    tid = p["body"]["kv_transfer_params"].get("transfer_id", "")
+    assert tid.startswith("kvp-") and len(tid) > 20, p["body"]["kv_transfer_params"]
+    assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+    assert d["body"]["kv_transfer_params"] == expected_push_params(pb, request_id, tid)
+    return tid
 
 
 class Env:
@@ -270,7 +281,9 @@ class Env:
 
 
 @contextlib.asynccontextmanager
-async def environment(prefill: list[Fake | str], decode: list[Fake | str], mode: str = "push"):
+async def environment(
+    prefill: list[Fake | str], decode: list[Fake | str], mode: str = "push", pairing: list[Any] | None = None
+):
     async with contextlib.AsyncExitStack() as stack:
         urls: list[list[str]] = [[], []]
         for out, backends in zip(urls, (prefill, decode), strict=True):
@@ -281,8 +294,18 @@ async def environment(prefill: list[Fake | str], decode: list[Fake | str], mode:
                 else:
                     out.append(b)
         pbs = [prefill_backend(u, i) for i, u in enumerate(urls[0])]
+        pairing_urls = []
+        for checker in pairing or []:
+            pairing_urls.append(await serve(checker.app(), stack))
         app = build_app(
-            ProxyConfig(prefill=pbs, decode=urls[1], mode=mode, connect_timeout_s=2.0, request_timeout_s=30.0)
+            ProxyConfig(
+                prefill=pbs,
+                decode=urls[1],
+                mode=mode,
+                decode_pairing=pairing_urls,
+                connect_timeout_s=2.0,
+                request_timeout_s=30.0,
+            )
         )
         proxy = await serve(app, stack)
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S * 2))
@@ -331,12 +354,11 @@ def test_push_streaming_completions():
             [d] = decode.received
             assert p["request_id"] == d["request_id"] == "req-push-1"
             assert p["path"] == d["path"] == "/v1/completions"
-            assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+            check_push_pair(p, d, env.prefill[0], "req-push-1")
             assert p["body"]["max_tokens"] == 1
             assert p["body"]["stream"] is False
             assert "stream_options" not in p["body"]
             assert p["body"]["prompt"] == "hello world"
-            assert d["body"]["kv_transfer_params"] == expected_push_params(env.prefill[0], "req-push-1")
             assert {k: v for k, v in d["body"].items() if k != "kv_transfer_params"} == req
 
             status, _, raw, _ = await env.call("GET", "/kvpush/timings")
@@ -368,9 +390,8 @@ def test_push_nonstreaming_chat_completions():
             rid = p["request_id"]
             assert rid and rid.startswith("kvp-") and d["request_id"] == rid
             assert p["body"]["max_tokens"] == 1 and p["body"]["max_completion_tokens"] == 1
-            assert p["body"]["kv_transfer_params"] == {"do_remote_decode": True}
+            check_push_pair(p, d, env.prefill[0], rid)
             assert p["body"]["messages"] == req["messages"]
-            assert d["body"]["kv_transfer_params"] == expected_push_params(env.prefill[0], rid)
             assert d["body"]["max_completion_tokens"] == 20 and "max_tokens" not in d["body"]
 
             status, _, raw, _ = await env.call("GET", "/kvpush/timings")
@@ -561,7 +582,7 @@ def test_round_robin_over_prefill_and_decode_backends():
             for pf, pb in zip(prefills, env.prefill, strict=True):
                 for r in pf.received:
                     [d] = [x for dec in decodes for x in dec.received if x["request_id"] == r["request_id"]]
-                    assert d["body"]["kv_transfer_params"] == expected_push_params(pb, r["request_id"])
+                    check_push_pair(r, d, pb, r["request_id"])
 
     run(body)
 
@@ -771,5 +792,109 @@ def test_pull_mode_prefill_answer_not_a_json_object_is_502(answer: bytes):
             assert status == 502, raw
             assert prefill.url in error_message(raw)
             assert decode.received == []
+
+    run(body)
+
+
+# ---- transfer ids and pairing checks --------------------------------------------------------------
+
+
+def test_reused_request_id_gets_a_distinct_transfer_id_per_dispatch():
+    """Two client requests with one X-Request-Id: each dispatch has its own transfer id, shared by its
+    prefill and decode, so the engines' transfer keys cannot collide."""
+
+    async def body():
+        prefill, decode = Fake("prefill", kv={"do_remote_decode": True}), Fake("decode")
+        async with environment([prefill], [decode]) as env:
+            calls = [
+                env.call(
+                    "POST", "/v1/completions", json_body={"prompt": f"x{i}"}, headers={"X-Request-Id": "same"}
+                )
+                for i in range(2)
+            ]
+            for status, _, raw, _ in await asyncio.gather(*calls):
+                assert status == 200, raw
+            pairs = []
+            for p in prefill.received:
+                [d] = [d for d in decode.received if d["body"]["prompt"] == p["body"]["prompt"]]
+                pairs.append(check_push_pair(p, d, env.prefill[0], "same"))
+            assert len(set(pairs)) == 2
+
+    run(body)
+
+
+class FakePairing:
+    """A decode's pairing check (decode_worker.PairingServer): answers with `status` and `error`."""
+
+    def __init__(self, status: int = 200, error: str = ""):
+        self.status = status
+        self.error = error
+        self.asked: list[dict[str, str]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.asked.append(dict(request.query))
+        body = {"ok": self.status == 200, "error": self.error}
+        return web.json_response(body, status=self.status)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/kvpush/pairing", self.handle)
+        return app
+
+
+MISMATCH = (
+    "layout mismatch: blocks are opaque (moved whole) but prefill block_size=32 and decode block_size=64"
+)
+
+
+def test_refused_pairing_fails_health_and_requests_with_the_reason():
+    async def body():
+        prefill, decode = Fake("prefill", kv={"do_remote_decode": True}), Fake("decode")
+        checker = FakePairing(409, MISMATCH)
+        async with environment([prefill], [decode], pairing=[checker]) as env:
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 503, raw
+            out = json.loads(raw)
+            assert out["status"] == "misconfigured" and MISMATCH in out["refused"][0]
+            assert out["pairings"][0]["ok"] is False
+            # the decode was asked about the configured prefill's KV side channel
+            q = checker.asked[-1]
+            pb = env.prefill[0]
+            assert (q["engine_id"], q["host"], q["port"], q["tp_size"]) == (
+                pb.engine_id,
+                pb.kv_host,
+                str(pb.kv_port),
+                str(pb.tp_size),
+            )
+            status, _, raw, _ = await env.call("POST", "/v1/completions", json_body={"prompt": "x"})
+            assert status == 503, raw
+            msg = error_message(raw)
+            assert MISMATCH in msg and pb.engine_id in msg
+            assert not prefill.received and not decode.received  # refused before any traffic
+
+    run(body)
+
+
+def test_ok_pairing_is_reported_and_a_decode_failure_rechecks_it():
+    async def body():
+        prefill = Fake("prefill", kv={"do_remote_decode": True})
+        decode = Fake("decode", status=500)
+        checker = FakePairing(200)
+        async with environment([prefill], [decode], pairing=[checker]) as env:
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 200, raw
+            assert json.loads(raw)["pairings"][0]["ok"] is True
+            # the pairing breaks after the check (a prefill restarted with another block size): the
+            # decode's bare 500 is replaced by the reason
+            checker.status, checker.error = 409, MISMATCH
+            status, _, raw, _ = await env.call("POST", "/v1/completions", json_body={"prompt": "x"})
+            assert status == 503, raw
+            assert MISMATCH in error_message(raw)
+            # fixed again: /health sees it, and a decode failure then keeps the decode's own error
+            checker.status, checker.error = 200, ""
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 200, raw
+            status, _, raw, _ = await env.call("POST", "/v1/completions", json_body={"prompt": "y"})
+            assert status == 500 and "decode failed" in error_message(raw), raw
 
     run(body)

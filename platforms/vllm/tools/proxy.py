@@ -9,6 +9,15 @@ Pull mode (vLLM's NixlConnector): prefill first; its returned kv_transfer_params
 
 A backend that is down, or a prefill that fails, gives the client a 502/503 with a JSON error at once;
 the decode request is then cancelled (closing the connection makes vLLM abort it), never left hanging.
+
+Every push dispatch carries a fresh `transfer_id` in both engines' kv_transfer_params, so two client
+requests with the same X-Request-Id never share a transfer key.
+
+Pairing (kvpush decodes started with `pairing_port`, given here as --decode-pairing): at start and on
+every /health, the proxy asks each decode whether it can receive KV from each prefill (the decode
+handshakes with that prefill, checking the real layouts). A refused pairing makes /health 503 naming the
+mismatch, a request routed to it is answered with that reason, and a decode failure is re-checked so
+a pairing that broke between checks is named too, instead of the engine's bare "Internal server error".
 """
 
 from __future__ import annotations
@@ -16,14 +25,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import copy
 import itertools
 import json
 import logging
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..params import KVTransferParams
 
 log = logging.getLogger("kvpush.proxy")
 
@@ -43,6 +56,8 @@ class ProxyConfig:
     prefill: list[PrefillBackend]
     decode: list[str]
     mode: str = "push"  # push | pull
+    # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
+    decode_pairing: list[str] = field(default_factory=list)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
@@ -59,6 +74,32 @@ def _error_body(message: str, status: int, kind: str = "BackendError") -> dict[s
     return {"error": {"message": message, "type": kind, "code": status}}
 
 
+@dataclass
+class Pairing:
+    """What a decode said about receiving KV from one prefill: ok None = not known yet."""
+
+    prefill: PrefillBackend
+    decode: str
+    pairing_url: str
+    ok: bool | None = None
+    error: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill.url,
+            "prefill_engine_id": self.prefill.engine_id,
+            "decode": self.decode,
+            "ok": self.ok,
+            "error": self.error,
+        }
+
+    def refusal(self) -> str:
+        return (
+            f"prefill {self.prefill.engine_id!r} ({self.prefill.url}) cannot push KV to decode {self.decode}: "
+            f"{self.error}"
+        )
+
+
 class Router:
     """Round robin over prefill and decode backends, and the two dispatch modes."""
 
@@ -67,7 +108,18 @@ class Router:
             raise ValueError("the proxy needs at least one prefill and one decode backend")
         if cfg.mode not in ("push", "pull"):
             raise ValueError(f"mode must be 'push' or 'pull', got {cfg.mode!r}")
+        if cfg.decode_pairing and len(cfg.decode_pairing) != len(cfg.decode):
+            raise ValueError(
+                f"decode_pairing has {len(cfg.decode_pairing)} entries for {len(cfg.decode)} decode backends"
+            )
         self.cfg = cfg
+        self.pairings: dict[tuple[str, str], Pairing] = {
+            (p.url, d): Pairing(p, d, u.rstrip("/"))
+            for d, u in zip(cfg.decode, cfg.decode_pairing or [""] * len(cfg.decode), strict=True)
+            if u
+            for p in cfg.prefill
+        }
+        self._pairing_task: asyncio.Task[None] | None = None
         self._prefill = itertools.cycle(cfg.prefill)
         self._decode = itertools.cycle(cfg.decode)
         self._session: Any = None
@@ -85,10 +137,72 @@ class Router:
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
         )
+        if self.pairings:
+            self._pairing_task = asyncio.ensure_future(self._keep_checking())
 
     async def close(self) -> None:
+        if self._pairing_task is not None:
+            self._pairing_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pairing_task
         if self._session is not None:
             await self._session.close()
+
+    # ---- pairing checks ------------------------------------------------------------------------
+    async def check_pairing(self, pair: Pairing) -> Pairing:
+        """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
+        import aiohttp
+
+        query = urllib.parse.urlencode(
+            {
+                "engine_id": pair.prefill.engine_id,
+                "host": pair.prefill.kv_host,
+                "port": pair.prefill.kv_port,
+                "tp_size": pair.prefill.tp_size,
+                "pp_size": pair.prefill.pp_size,
+            }
+        )
+        try:
+            async with self._session.get(
+                f"{pair.pairing_url}/kvpush/pairing?{query}", timeout=aiohttp.ClientTimeout(total=15)
+            ) as r:
+                body = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            pair.ok, pair.error = None, f"pairing check at {pair.pairing_url} failed: {exc!r}"
+            return pair
+        if r.status == 200 and isinstance(body, dict) and body.get("ok"):
+            pair.ok, pair.error = True, ""
+        elif r.status == 409 and isinstance(body, dict):
+            pair.ok, pair.error = False, str(body.get("error") or body)
+        else:  # the prefill did not answer the handshake (504) or something else: not known yet
+            pair.ok, pair.error = None, f"pairing check answered {r.status}: {str(body)[:300]}"
+        if pair.ok is False:
+            log.error("pairing refused: %s", pair.refusal())
+        return pair
+
+    async def check_pairings(self) -> list[Pairing]:
+        return list(await asyncio.gather(*(self.check_pairing(p) for p in self.pairings.values())))
+
+    async def _keep_checking(self) -> None:
+        """From start (engines may still be loading) for the proxy's life: every 2 s while any pairing
+        is refused or unknown, every 10 s once all are fine (a restarted engine may break one)."""
+        while True:
+            pairs = await self.check_pairings()
+            await asyncio.sleep(10.0 if all(p.ok for p in pairs) else 2.0)
+
+    def _pick(self) -> tuple[PrefillBackend, str]:
+        """The next (prefill, decode) in round robin, skipping pairings known to be refused; if every
+        pairing is refused, a BackendError naming the mismatch."""
+        tries = len(self.cfg.prefill) * len(self.cfg.decode)
+        first: Pairing | None = None
+        for _ in range(tries):
+            prefill, decode = next(self._prefill), next(self._decode)
+            pair = self.pairings.get((prefill.url, decode))
+            if pair is None or pair.ok is not False:
+                return prefill, decode
+            first = first or pair
+        assert first is not None
+        raise BackendError(503, first.refusal(), first.decode)
 
     # ---- backend calls -------------------------------------------------------------------------
     async def _post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -130,36 +244,49 @@ class Router:
         out["kv_transfer_params"] = params
         return out
 
-    def _push_params(self, prefill: PrefillBackend, request_id: str) -> dict[str, Any]:
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": prefill.engine_id,
-            "remote_host": prefill.kv_host,
-            "remote_port": prefill.kv_port,
-            "tp_size": prefill.tp_size,
-            "pp_size": prefill.pp_size,
-            "remote_request_id": request_id,
-            "remote_block_ids": None,
-        }
+    @staticmethod
+    def _push_params(prefill: PrefillBackend, request_id: str, transfer_id: str) -> dict[str, Any]:
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=prefill.engine_id,
+            remote_host=prefill.kv_host,
+            remote_port=prefill.kv_port,
+            tp_size=prefill.tp_size,
+            pp_size=prefill.pp_size,
+            remote_request_id=request_id,
+            transfer_id=transfer_id,
+        ).to_dict()
 
     async def dispatch(self, path: str, body: dict[str, Any], request_id: str, client: Any) -> Any:
         """Run one request; returns an aiohttp response (streamed or JSON)."""
-        prefill = next(self._prefill)
-        decode_url = next(self._decode)
+        prefill, decode_url = self._pick()
+        try:
+            return await self._dispatch(prefill, decode_url, path, body, request_id, client)
+        except BackendError as exc:
+            pair = self.pairings.get((prefill.url, decode_url))
+            if pair is None or exc.backend != decode_url + path:
+                raise
+            # The decode failed: if the pairing broke since the last check, say that, not "error 500".
+            await self.check_pairing(pair)
+            if pair.ok is False:
+                raise BackendError(503, pair.refusal(), decode_url) from exc
+            raise
+
+    async def _dispatch(
+        self,
+        prefill: PrefillBackend,
+        decode_url: str,
+        path: str,
+        body: dict[str, Any],
+        request_id: str,
+        client: Any,
+    ) -> Any:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         self.cfg.stats["requests"] += 1
         rec: dict[str, Any] = {"id": request_id, "start": time.perf_counter()}
         self.timings.append(rec)
-        pull_params = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
         if self.cfg.mode == "pull":
+            pull_params = KVTransferParams(do_remote_decode=True).to_dict()
             resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
             rec["prefill_done"] = time.perf_counter()
             kv = resp.get("kv_transfer_params")
@@ -173,12 +300,15 @@ class Router:
             decode_body = copy.deepcopy(body)
             decode_body["kv_transfer_params"] = kv
             return await self._relay(decode_url + path, decode_body, headers, client, None, rec)
+        # One transfer id per dispatch, to both engines: a client's X-Request-Id need not be unique.
+        transfer_id = f"kvp-{uuid.uuid4().hex}"
+        prefill_params = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_dict(sparse=True)
         prefill_task = asyncio.ensure_future(
-            self._post_json(prefill.url + path, self._prefill_body(body, {"do_remote_decode": True}), headers)
+            self._post_json(prefill.url + path, self._prefill_body(body, prefill_params), headers)
         )
         prefill_task.add_done_callback(lambda _f: rec.__setitem__("prefill_done", time.perf_counter()))
         decode_body = copy.deepcopy(body)
-        decode_body["kv_transfer_params"] = self._push_params(prefill, request_id)
+        decode_body["kv_transfer_params"] = self._push_params(prefill, request_id, transfer_id)
         try:
             return await self._relay(decode_url + path, decode_body, headers, client, prefill_task, rec)
         except asyncio.CancelledError:
@@ -290,11 +420,17 @@ class Router:
 
         results = dict(await asyncio.gather(*(probe(u) for u in urls)))
         down = [u for u, ok in results.items() if not ok]
-        return (503 if down else 200), {
-            "status": "down" if down else "ok",
-            "down": down,
-            "mode": self.cfg.mode,
-        }
+        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode}
+        if self.pairings:
+            pairs = await self.check_pairings()
+            out["pairings"] = [p.describe() for p in pairs]
+            refused = [p.refusal() for p in pairs if p.ok is False]
+            if refused:
+                out["status"] = "misconfigured"
+                out["refused"] = refused
+            elif not down and any(p.ok is None for p in pairs):
+                out["status"] = "down"
+        return (200 if out["status"] == "ok" else 503), out
 
 
 def _swallow(fut: asyncio.Future[Any]) -> None:
@@ -403,6 +539,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefill-kv-port", action="append", type=int, help="KV side-channel port of each prefill"
     )
+    parser.add_argument(
+        "--decode-pairing",
+        action="append",
+        metavar="URL",
+        help="base URL of each kvpush decode's pairing check (its pairing_port); checked at start and on "
+        "/health (give it once per --decode, '' for a decode without one)",
+    )
     parser.add_argument("--prefill-tp-size", action="append", type=int)
     parser.add_argument("--prefill-pp-size", action="append", type=int)
     parser.add_argument("--connect-timeout", type=float, default=5.0)
@@ -423,10 +566,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         PrefillBackend(u.rstrip("/"), i, h, p, t, q)
         for u, i, h, p, t, q in zip(args.prefill, ids, hosts, ports, tps, pps, strict=True)
     ]
+    decode = [u.rstrip("/") for u in args.decode]
+    pairing = list(args.decode_pairing or [])
+    if pairing and len(pairing) != len(decode):
+        raise SystemExit(f"--decode-pairing was given {len(pairing)} times; give it once per --decode")
     return ProxyConfig(
         prefill=prefill,
-        decode=[u.rstrip("/") for u in args.decode],
+        decode=decode,
         mode=args.mode,
+        decode_pairing=pairing,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
     )

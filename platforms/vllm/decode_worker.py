@@ -1,0 +1,272 @@
+"""The decode engine's worker side: register each request's blocks with kvpush and report its KV.
+
+One `_Recv` record per request, from expect() (the start of the step that allocated its blocks) until the
+endpoint reports the KV ready or failed; then it is in finished_recving (and, failed, in failed_recving,
+so vLLM's kv_load_failure_policy decides between failing the request and recomputing it). A request
+aborted while waiting stays recorded until the endpoint confirms that no WRITE can still land.
+
+With extra config `pairing_port`, rank r also answers GET /kvpush/pairing?engine_id=&host=&port=&tp_size=
+on config.host:pairing_port+r: it handshakes with that prefill (or reuses the handshake) and says whether
+KV can move, naming the mismatch if not. `kvpush proxy --decode-pairing` asks it before sending traffic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress
+from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
+
+from .layout_probe import expand_blocks
+from .scheduler import KVPushConnectorMetadata
+from .worker_common import WorkerBase, debug_checksums
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .params import ConnectorSettings
+
+log = logging.getLogger("kvpush.vllm")
+
+
+@dataclass
+class _Recv:
+    req_id: str  # vLLM's internal id
+    key: str  # the transfer key both engines agree on
+    block_ids: tuple[int, ...]  # vLLM's block ids (before expanding to kernel blocks)
+    num_tokens: int
+    expected_at: float
+    aborted: bool = False  # vLLM finished it while it waited: report it, but not as a load failure
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
+        super().__init__(settings, vllm_config)
+        self.endpoint: DecodeEndpoint | None = None
+        self.by_key: dict[str, _Recv] = {}
+        self.by_req: dict[str, _Recv] = {}
+        self.instant_fail: list[tuple[str, str]] = []  # (req_id, reason): failed before expect()
+        self.legacy_failed_blocks: set[int] = set()
+        self.pairing: PairingServer | None = None
+        self.expects = 0
+        self.recv_ok = 0
+        self.recv_failed = 0
+        self.recv_bytes = 0
+        self.ready_s: list[float] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        cache = self.probe(kv_caches)
+        self.endpoint = DecodeEndpoint(self.settings.config, cache.layout, cache.mem_type)
+        self.endpoint.start()
+        for spec in self.settings.prefill_addresses:
+            pa = PrefillAddress(spec.engine_id, spec.host, spec.port, spec.tp_size, spec.pp_size)
+            try:
+                self.endpoint.connect(pa, self.settings.connect_timeout_s)
+            except LayoutError as exc:
+                self.endpoint.close()
+                raise LayoutError(
+                    f"kvpush: this decode engine cannot receive KV from prefill {pa.engine_id!r} at "
+                    f"{pa.host}:{pa.port}: {exc}. Start both engines with the same model, dtype and KV "
+                    "cache layout."
+                ) from exc
+        if self.settings.pairing_port:
+            self.pairing = PairingServer(
+                self, self.settings.config.host, self.settings.pairing_port + cache.rank
+            )
+        self.start_stats()
+
+    def start_step(self, meta: KVPushConnectorMetadata) -> None:
+        if self.endpoint is None or self.cache is None:
+            return
+        self.bind_waker(meta.wake_path, self.endpoint)
+        now = time.monotonic()
+        for it in meta.expect:
+            if it.key in self.by_key:
+                # The scheduler refuses colliding keys; should one still get here, fail it alone.
+                self.instant_fail.append((it.req_id, f"transfer key {it.key!r} is in use"))
+                continue
+            rec = _Recv(it.req_id, it.key, it.block_ids, it.num_tokens, now)
+            self.by_key[it.key] = rec
+            self.by_req[it.req_id] = rec
+            self.expects += 1
+            self.endpoint.expect(
+                it.key,
+                expand_blocks(it.block_ids, self.cache.ratio),
+                it.num_tokens,
+                PrefillAddress(it.engine_id, it.host, it.port, it.tp_size, it.pp_size),
+            )
+        self.instant_fail.extend(meta.fail_recv)
+        for rid in meta.abort_recv:
+            waiting = self.by_req.get(rid)
+            if waiting is not None and not waiting.aborted:
+                waiting.aborted = True
+                self.endpoint.abort(waiting.key, "request aborted on decode")
+        for c in meta.cancel_recv:
+            self.endpoint.cancel(
+                c.key,
+                PrefillAddress(c.engine_id, c.host, c.port, c.tp_size, c.pp_size),
+                "request dropped on decode before its blocks were allocated",
+            )
+        if meta.expect or meta.abort_recv:
+            self.publish_stats(news=True)
+
+    def end_step(self, meta: KVPushConnectorMetadata) -> None:
+        return None
+
+    def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.endpoint is None or self.cache is None:
+            return set(), recving, failed
+        news = bool(self.instant_fail)
+        for rid, reason in self.instant_fail:
+            recving.add(rid)
+            failed.add(rid)
+            self.recv_failed += 1
+            log.warning("kvpush: request %s cannot receive KV: %s", rid, reason)
+        self.instant_fail.clear()
+        for r in self.endpoint.finished():
+            rec = self.by_key.pop(r.request_id, None)
+            if rec is None:
+                continue
+            del self.by_req[rec.req_id]
+            news = True
+            recving.add(rec.req_id)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "kvpush D %s ok=%s blocks %s sums %s",
+                    r.request_id,
+                    r.ok,
+                    rec.block_ids,
+                    debug_checksums(
+                        self.kv_caches,
+                        expand_blocks(rec.block_ids, self.cache.ratio),
+                        rec.num_tokens,
+                        self.cache.layout.block_size,
+                    ),
+                )
+            if r.ok:
+                self.recv_ok += 1
+                self.recv_bytes += r.nbytes
+                self.ready_s.append(round(r.ready_at - rec.expected_at, 6))
+            else:
+                self.recv_failed += 1
+                if not rec.aborted:
+                    failed.add(rec.req_id)
+                    self.legacy_failed_blocks.update(rec.block_ids)
+                    log.warning("kvpush: KV for %s did not arrive: %s", rec.req_id, r.reason)
+        self.publish_stats(news)
+        return set(), recving, failed
+
+    def take_legacy_failed_blocks(self, supports_failed_recving: bool) -> set[int]:
+        """Only for vLLM without failed_recving: a failed request's blocks are all invalid."""
+        out, self.legacy_failed_blocks = self.legacy_failed_blocks, set()
+        return set() if supports_failed_recving else out
+
+    # ---- pairing check (called from the pairing server's thread) -----------------------------
+    def check_pairing(self, prefill: PrefillAddress, timeout_s: float) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body): 200 when KV can move from `prefill` to this rank, 409 naming the mismatch
+        when not, 504 when the prefill does not answer the handshake."""
+        endpoint = self.endpoint
+        mine = {
+            "decode_engine_id": self.settings.config.engine_id,
+            "rank": self.cache.rank if self.cache else 0,
+            "compat": self.layout.compat_hash(),
+            "block_size": self.layout.block_size,
+            "atomic_blocks": self.layout.atomic_blocks,
+            "prefill_engine_id": prefill.engine_id,
+        }
+        if endpoint is None:
+            return 503, {**mine, "ok": False, "error": "the decode's kvpush endpoint is closed"}
+        try:
+            endpoint.connect(prefill, timeout_s)
+        except HandshakeTimeout as exc:
+            return 504, {**mine, "ok": False, "error": str(exc)}
+        except KVPushError as exc:
+            return 409, {**mine, "ok": False, "error": str(exc)}
+        return 200, {**mine, "ok": True}
+
+    # ---- stats -------------------------------------------------------------------------------
+    def counters(self) -> dict[str, Any]:
+        return {
+            "expects": self.expects,
+            "recv_ok": self.recv_ok,
+            "recv_failed": self.recv_failed,
+            "recv_bytes": self.recv_bytes,
+            "ready_s": list(self.ready_s),
+        }
+
+    def outstanding(self) -> int:
+        return len(self.by_key)
+
+    def endpoint_stats(self) -> dict[str, int]:
+        return self.endpoint.stats() if self.endpoint is not None else {}
+
+    def shutdown(self) -> None:
+        if self.pairing is not None:
+            self.pairing.close()
+            self.pairing = None
+        if self.endpoint is not None:
+            self.close_stats()
+            self.endpoint.close()
+            self.endpoint = None
+        self.close_waker()
+
+
+class PairingServer:
+    """GET /kvpush/pairing for one decode rank, on its own small HTTP server thread."""
+
+    def __init__(self, worker: DecodeWorker, host: str, port: int) -> None:
+        timeout_s = min(worker.settings.connect_timeout_s, 10.0)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                if url.path != "/kvpush/pairing":
+                    self._answer(404, {"error": f"no route {url.path}; use /kvpush/pairing"})
+                    return
+                q = dict(urllib.parse.parse_qsl(url.query))
+                try:
+                    prefill = PrefillAddress(
+                        q["engine_id"],
+                        q.get("host", "127.0.0.1"),
+                        int(q["port"]),
+                        int(q.get("tp_size", 1)),
+                        int(q.get("pp_size", 1)),
+                    )
+                except (KeyError, ValueError) as exc:
+                    self._answer(400, {"error": f"need engine_id, port (and host, tp_size): {exc!r}"})
+                    return
+                self._answer(*worker.check_pairing(prefill, timeout_s))
+
+            def _answer(self, status: int, body: dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None  # the engine's log is not an access log
+
+        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="kvpush-pairing", daemon=True)
+        self.thread.start()
+        log.warning("kvpush: decode pairing check on http://%s:%d/kvpush/pairing", host, port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

@@ -1,0 +1,181 @@
+"""The typed parameters vLLM hands the connector: kv_transfer_params per request, extra config per engine.
+
+`KVTransferParams` is the one definition of the per-request dict the router and both engines exchange
+(vLLM carries it as `request.kv_transfer_params` and returns the prefill's in its HTTP answer). The
+scheduler side reads it and the proxy writes it through this struct, so a key renamed on one side cannot
+silently be missed on the other. Importing this module imports neither torch nor vLLM (the proxy uses it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvpush.config import KVPushConfig
+from kvpush.errors import ConfigError
+
+_ENGINE_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
+_PROMPT_INDEX = re.compile(r"^cmpl-.*-(\d+)$")
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """kv_transfer_params as kvpush (and vLLM's NIXL connectors) use them.
+
+    Prefill request: do_remote_decode. Decode request: do_remote_prefill plus where the prefill's KV side
+    channel is (remote_engine_id, remote_host, remote_port, tp_size, pp_size). transfer_id: the router's
+    dispatch id, sent to both engines, so two client requests with the same X-Request-Id never share a
+    transfer key. Unknown keys (another router's) are ignored when reading.
+    """
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    pp_size: int = 1
+    remote_request_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    transfer_id: str | None = None
+    transfer_mode: str | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> KVTransferParams:
+        """Parse a request's kv_transfer_params; ValueError naming the bad field otherwise."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"kv_transfer_params must be a JSON object, got {type(raw).__name__}")
+        # JSON null means "not set" for every field (vLLM's pull proxy sends remote_* as null).
+        present = {k: v for k, v in raw.items() if v is not None}
+        try:
+            return msgspec.convert(present, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid kv_transfer_params: {exc}") from None
+
+    def to_dict(self, sparse: bool = False) -> dict[str, Any]:
+        """Every field (the shape vLLM's connectors expect), or only those not at their default."""
+        out = msgspec.structs.asdict(self)
+        if sparse:
+            defaults = msgspec.structs.asdict(KVTransferParams())
+            out = {k: v for k, v in out.items() if v != defaults[k]}
+        return out
+
+    def prefill_address_missing(self) -> list[str]:
+        """The coordinates a decode request needs but lacks."""
+        return [
+            k for k in ("remote_engine_id", "remote_host", "remote_port") if getattr(self, k) in (None, "", 0)
+        ]
+
+
+def transfer_key(internal_id: str, params: KVTransferParams) -> str:
+    """The id both engines agree on for one request.
+
+    With a router's transfer_id (kvpush's proxy sends a fresh one per dispatch) the key is that id, plus
+    the prompt index for a completion with several prompts (vLLM names those "cmpl-<id>-<index>").
+    Without one, the key is vLLM's internal id minus the 8 random characters each engine appends: the
+    router sends the same X-Request-Id and route to both engines, so the rest is the same on both sides
+    (and clients that reuse an X-Request-Id collide; the scheduler refuses the newcomer).
+    """
+    base = _ENGINE_SUFFIX.sub("", internal_id)
+    if not params.transfer_id:
+        return base
+    m = _PROMPT_INDEX.match(base)
+    return f"{params.transfer_id}-{m.group(1)}" if m else params.transfer_id
+
+
+# kv_connector_extra_config keys that belong to the vLLM integration; everything else is KVPushConfig.
+_OWN_KEYS = (
+    "stats_dir",
+    "prefill_addresses",
+    "model_tag",
+    "connect_timeout_s",
+    "idle_wait_ms",
+    "pairing_port",
+)
+# How long an engine with nothing to compute, waiting only on transfers, sleeps per step (a finished
+# transfer wakes it at once; a new request waits at most this long). Decode waits through whole
+# prefills; prefill only for its WRITEs to finish, and new prompts arrive there, so it naps briefly.
+_IDLE_WAIT_MS = {"decode": 20.0, "prefill": 2.0}
+
+
+@dataclass(frozen=True)
+class PrefillAddressSpec:
+    """One entry of extra config "prefill_addresses": a prefill the decode handshakes with at start-up."""
+
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything the connector reads from vLLM's config, validated once, in the facade's constructor."""
+
+    role: str  # "prefill" | "decode"
+    config: KVPushConfig
+    block_size: int
+    tp_size: int
+    pp_size: int
+    stats_dir: str = ""
+    prefill_addresses: tuple[PrefillAddressSpec, ...] = ()
+    model_tag: str = ""
+    connect_timeout_s: float = 120.0
+    idle_wait_s: float = 0.0
+    pairing_port: int = 0
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role == "prefill"
+
+    @classmethod
+    def from_extra(
+        cls, role: str, engine_id: str, extra: Mapping[str, Any], block_size: int, tp_size: int, pp_size: int
+    ) -> ConnectorSettings:
+        own = {k: extra[k] for k in _OWN_KEYS if k in extra}
+        core = {k: v for k, v in extra.items() if k not in _OWN_KEYS}
+        core.setdefault("engine_id", engine_id)
+        if isinstance(core.get("backends"), list):
+            core["backends"] = tuple(core["backends"])
+        config = KVPushConfig.from_mapping(core)
+        idle_wait_ms = float(own.get("idle_wait_ms", _IDLE_WAIT_MS[role]))
+        if idle_wait_ms < 0:
+            raise ConfigError(f"KVPushConnector: idle_wait_ms must be >= 0, got {idle_wait_ms:g}")
+        pairing_port = int(own.get("pairing_port") or 0)
+        if not 0 <= pairing_port < 65536:
+            raise ConfigError(f"KVPushConnector: pairing_port must be a TCP port, got {pairing_port}")
+        addresses: list[PrefillAddressSpec] = []
+        for i, entry in enumerate(own.get("prefill_addresses") or ()):
+            if not isinstance(entry, Mapping) or "engine_id" not in entry or "port" not in entry:
+                raise ConfigError(
+                    f"KVPushConnector: prefill_addresses[{i}] must be an object with engine_id and port "
+                    f"(and optionally host, tp_size, pp_size), got {entry!r}"
+                )
+            addresses.append(
+                PrefillAddressSpec(
+                    str(entry["engine_id"]),
+                    str(entry.get("host", "127.0.0.1")),
+                    int(entry["port"]),
+                    int(entry.get("tp_size", 1)),
+                    int(entry.get("pp_size", 1)),
+                )
+            )
+        return cls(
+            role=role,
+            config=config,
+            block_size=block_size,
+            tp_size=tp_size,
+            pp_size=pp_size,
+            stats_dir=str(own.get("stats_dir") or ""),
+            prefill_addresses=tuple(addresses),
+            model_tag=str(own.get("model_tag") or ""),
+            connect_timeout_s=float(own.get("connect_timeout_s", 120.0)),
+            idle_wait_s=idle_wait_ms / 1000.0,
+            pairing_port=pairing_port,
+        )

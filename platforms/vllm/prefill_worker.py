@@ -1,0 +1,157 @@
+"""The prefill engine's worker side: hand each finished prompt's blocks to kvpush's push thread.
+
+One `_Push` record per request, from hand-off (wait_for_save of the step that computed the prompt's last
+KV) until vLLM may free the blocks: the WRITE finished or failed (the endpoint's result) AND the scheduler
+has reported the request finished (finished_req_ids). Only then is it in finished_sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush.endpoint import PrefillEndpoint, SendResult
+
+from .layout_probe import expand_blocks
+from .scheduler import KVPushConnectorMetadata
+from .worker_common import WorkerBase, debug_checksums
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from .params import ConnectorSettings
+
+log = logging.getLogger("kvpush.vllm")
+
+
+@dataclass
+class _Push:
+    req_id: str  # vLLM's internal id
+    key: str  # the transfer key both engines agree on
+    handed_at: float
+    result: SendResult | None = None  # set once the push thread is done with the blocks
+    finished_in_vllm: bool = False  # the scheduler reported it finished (its blocks wait for us)
+
+
+def wait_until_kv_written(mem_type: str) -> None:
+    """Barrier before the push thread may read this step's KV: device kernels write on a stream.
+
+    Today: host memory needs nothing; device memory synchronizes the current CUDA stream on the engine
+    thread. To be replaced by a per-backend barrier passed as prefill_done(kv_written=...), which the push
+    thread runs instead, so the engine never waits.
+    """
+    if mem_type != "DRAM":
+        import torch
+
+        torch.cuda.current_stream().synchronize()
+
+
+class PrefillWorker(WorkerBase):
+    role = "prefill"
+
+    def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
+        super().__init__(settings, vllm_config)
+        self.endpoint: PrefillEndpoint | None = None
+        self.by_req: dict[str, _Push] = {}
+        self.by_key: dict[str, _Push] = {}
+        self.handoffs = 0
+        self.sent_ok = 0
+        self.sent_failed = 0
+        self.send_bytes = 0
+        self.push_s: list[float] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        cache = self.probe(kv_caches)
+        self.endpoint = PrefillEndpoint(self.settings.config, cache.layout, cache.mem_type)
+        self.endpoint.start()
+        self.start_stats()
+
+    def start_step(self, meta: KVPushConnectorMetadata) -> None:
+        if self.endpoint is not None:
+            self.bind_waker(meta.wake_path, self.endpoint)
+
+    def end_step(self, meta: KVPushConnectorMetadata) -> None:
+        """After the forward pass: the prompt KV of meta.send is in memory now; hand it over."""
+        if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send):
+            return
+        if meta.send:
+            wait_until_kv_written(self.cache.mem_type)
+        now = time.monotonic()
+        for it in meta.send:
+            rec = _Push(it.req_id, it.key, now)
+            self.by_req[it.req_id] = rec
+            if it.key in self.by_key:
+                # The scheduler refuses colliding keys; should one still get here, fail it alone
+                # rather than let the endpoint treat it as the live request's resend.
+                rec.result = SendResult(it.key, False, (), f"transfer key {it.key!r} is in use")
+                continue
+            self.by_key[it.key] = rec
+            self.handoffs += 1
+            blocks = expand_blocks(it.block_ids, self.cache.ratio)
+            self.endpoint.prefill_done(it.key, blocks, it.num_tokens)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "kvpush P %s blocks %s sums %s",
+                    it.key,
+                    it.block_ids,
+                    debug_checksums(self.kv_caches, blocks, it.num_tokens, self.cache.layout.block_size),
+                )
+        for _rid, key in meta.abort_send:
+            self.endpoint.abort(key, "request aborted on prefill")
+        self.publish_stats(news=True)
+
+    def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) for this step."""
+        sending: set[str] = set()
+        if self.endpoint is None:
+            return sending, set(), set()
+        news = False
+        for rid in finished_req_ids:
+            rec = self.by_req.get(rid)
+            if rec is not None:
+                rec.finished_in_vllm = True
+        for r in self.endpoint.finished():
+            rec = self.by_key.pop(r.request_id, None)
+            if rec is None:
+                continue  # a registration-only request (never handed over) that ended
+            news = True
+            rec.result = r
+            if r.ok:
+                self.sent_ok += 1
+                self.send_bytes += r.nbytes
+                self.push_s.append(round(r.done_at - rec.handed_at, 6))
+            else:
+                self.sent_failed += 1
+                log.warning("kvpush: push of %s failed: %s", rec.req_id, r.reason)
+        for rid, rec in list(self.by_req.items()):
+            if rec.result is not None and rec.finished_in_vllm:
+                sending.add(rid)
+                del self.by_req[rid]
+                news = True
+        self.publish_stats(news)
+        return sending, set(), set()
+
+    # ---- stats -------------------------------------------------------------------------------
+    def counters(self) -> dict[str, Any]:
+        return {
+            "handoffs": self.handoffs,
+            "sent_ok": self.sent_ok,
+            "sent_failed": self.sent_failed,
+            "send_bytes": self.send_bytes,
+            "push_s": list(self.push_s),
+        }
+
+    def outstanding(self) -> int:
+        return len(self.by_req)
+
+    def endpoint_stats(self) -> dict[str, int]:
+        return self.endpoint.stats() if self.endpoint is not None else {}
+
+    def shutdown(self) -> None:
+        if self.endpoint is not None:
+            self.close_stats()
+            self.endpoint.close()  # stops the transfer thread, the only user of the waker's socket
+            self.endpoint = None
+        self.close_waker()
