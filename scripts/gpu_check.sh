@@ -2,7 +2,12 @@
 # GPU checks for kvpush on a CUDA machine (one prepared run; see README "GPU").
 #  1. tests/gpu: VRAM registered with NIXL, plan-driven WRITE in process, and `kvpush demo --device cuda`
 #     between two processes with every byte verified.
-#  2. `kvpush demo` on VRAM and on host DRAM with the default workload, JSON results into $OUT.
+#  2. `kvpush demo` on VRAM and on host DRAM with the default workload, JSON results into $OUT; every demo
+#     run reports NIXL's references in the same run: (a) a prepared 1-descriptor handle of each request's
+#     size, reposted, (b) kvpush's paged descriptor list prepared and reposted, and (c)/(a), (c)/(b).
+#  3. VRAM: contiguous tables (--run-blocks 100000) and large requests, references included.
+#  4. scripts/gpu_gather.py: a fragmented request as paged prepared descriptors vs one gather kernel into
+#     a registered staging slot, one WRITE, one scatter kernel (bytes verified).
 # Wheels for an offline machine can be carried in .whl/ (nixl, nixl-cu13, msgspec, pyzmq).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +27,9 @@ status=0
 "$PY" -m pytest -q -p no:cacheprovider --import-mode=importlib --rootdir=/tmp "$OLDPWD/tests/gpu" 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 "$PY" -m kvpush.cli demo --device cuda --json "$OUT/demo_cuda.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cuda.log" || status=1
 "$PY" -m kvpush.cli demo --device cpu --json "$OUT/demo_cpu.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cpu.log" || status=1
+"$PY" -m kvpush.cli demo --device cuda --requests 16 --run-blocks 100000 --json "$OUT/demo_cuda_contig.json" 2>&1 | tee "$OUT/demo_cuda_contig.log" || status=1
+"$PY" -m kvpush.cli demo --device cuda --requests 16 --min-tokens 16384 --max-tokens 16384 --run-blocks 100000 --json "$OUT/demo_cuda_16k_contig.json" 2>&1 | tee "$OUT/demo_cuda_16k_contig.log" || status=1
+"$PY" "$OLDPWD/scripts/gpu_gather.py" 32 16384 8 5 2>&1 | tee "$OUT/gpu_gather.json" || status=1
 for run in 1 64 100000; do
   "$PY" -m kvpush.cli demo --device cpu --requests 16 --run-blocks $run --json "$OUT/demo_cpu_run$run.json" >/dev/null 2>&1 || status=1
 done
