@@ -22,6 +22,9 @@
 #   KV_HOST: the IP this engine's KV side channel listens on (default: this node's private IP)
 #   PREFILL_ENGINE_ID: engine_id of the prefill engine (default: <cluster>-prefill-0); the proxy tells
 #     the decode engine this id, so set it the same way on the prefill and the proxy nodes
+#   PAIRING_PORT (5700): CONNECTOR=kvpush: the decode answers the proxy's pairing check there. A kvpush
+#     decode given PREFILL_HOST also handshakes with that prefill at start-up and refuses to start
+#     on a KV layout mismatch; the proxy checks each pairing at its start and on /health
 #   KV_BUFFER_DEVICE (cuda)  KV_BACKENDS (LIBFABRIC)  VLLM_SERVE ("vllm serve")  EXTRA_ARGS
 #   KVPUSH_RUN_DIR (pid files, /tmp/kvpush-run)  LOG_DIR (logs, ~/kvpush-logs)
 #   HEALTH_TIMEOUT (1800 s)  HEALTH_POLL (5 s between /health probes)
@@ -76,6 +79,7 @@ PREFILL_PORT=${PREFILL_PORT:-8100}
 DECODE_PORT=${DECODE_PORT:-8200}
 PROXY_PORT=${PROXY_PORT:-8000}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5600}
+PAIRING_PORT=${PAIRING_PORT:-5700}
 KV_BUFFER_DEVICE=${KV_BUFFER_DEVICE:-cuda}
 KV_BACKENDS=${KV_BACKENDS:-LIBFABRIC}
 PREFILL_ENGINE_ID=${PREFILL_ENGINE_ID:-${KVPUSH_CLUSTER:-kvpush}-prefill-0}
@@ -109,7 +113,17 @@ kv_transfer_config() {
   backends="[${backends%,}]"
   if [ "$CONNECTOR" = kvpush ]; then
     module=',"kv_connector_module_path":"kvpush.platforms.vllm"'
-    extra="{\"port\":$SIDE_CHANNEL_PORT,\"host\":\"$KV_HOST\",\"backends\":$backends}"
+    extra="{\"port\":$SIDE_CHANNEL_PORT,\"host\":\"$KV_HOST\",\"backends\":$backends"
+    if [ "$kv_role" = kv_consumer ]; then
+      extra+=",\"pairing_port\":$PAIRING_PORT"
+      if [ -n "${PREFILL_HOST:-}" ]; then
+        extra+=",\"prefill_addresses\":[{\"engine_id\":\"$PREFILL_ENGINE_ID\",\"host\":\"$PREFILL_HOST\""
+        extra+=",\"port\":$SIDE_CHANNEL_PORT,\"tp_size\":$PREFILL_TP_SIZE}]"
+      else
+        echo "serve_pd.sh: PREFILL_HOST is not set: the decode will not check its pairing at start-up" >&2
+      fi
+    fi
+    extra+="}"
   else
     extra="{\"backends\":$backends}"
   fi
@@ -152,6 +166,9 @@ case $ROLE in
       --prefill-kv-port "$SIDE_CHANNEL_PORT"
       --prefill-tp-size "$PREFILL_TP_SIZE"
       --prefill-pp-size "$PREFILL_PP_SIZE")
+    if [ "$CONNECTOR" = kvpush ]; then
+      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT")
+    fi
     pid_name=proxy
     health_url=http://127.0.0.1:$PROXY_PORT/health
     ;;

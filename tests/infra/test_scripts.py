@@ -129,7 +129,30 @@ def test_proxy_command_reads_the_cluster_env_file(tmp_path: Path) -> None:
         "--prefill-kv-port": "5600",
         "--prefill-tp-size": "16",
         "--prefill-pp-size": "1",
+        "--decode-pairing": "http://10.0.0.6:5700",
     }
+
+
+def test_kvpush_decode_is_given_its_prefill_and_a_pairing_port(tmp_path: Path) -> None:
+    argv = _dry_run(
+        tmp_path,
+        ROLE="decode",
+        MODE="push",
+        KVPUSH_CLUSTER="c1",
+        PREFILL_HOST="10.0.0.5",
+        PREFILL_TP_SIZE="4",
+    )
+    assert _kv_config(argv)["kv_connector_extra_config"] == {
+        "port": 5600,
+        "host": "10.0.0.11",
+        "backends": ["LIBFABRIC"],
+        "pairing_port": 5700,
+        "prefill_addresses": [{"engine_id": "c1-prefill-0", "host": "10.0.0.5", "port": 5600, "tp_size": 4}],
+    }
+    # without PREFILL_HOST the decode still starts (and says it will not check at start-up)
+    proc = _script("serve_pd.sh", _env(tmp_path, DRY_RUN="1", ROLE="decode", MODE="push"))
+    assert proc.returncode == 0 and "PREFILL_HOST is not set" in proc.stderr
+    assert "prefill_addresses" not in _kv_config(shlex.split(proc.stdout))["kv_connector_extra_config"]
 
 
 @pytest.mark.parametrize(

@@ -205,7 +205,9 @@ class Started:
         self._log.close()
 
 
-def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0) -> None:
+def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0, any_answer: bool = False) -> None:
+    """Until url/health answers 200 (any_answer: answers at all, e.g. a proxy reporting a refused
+    pairing with 503), or one of procs exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs:
@@ -215,9 +217,12 @@ def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0) -> No
                     f"answered; last log lines ({p.log_path}):\n{p.tail()}"
                 )
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with urllib.request.urlopen(url + "/health", timeout=20) as r:
                 if r.status == 200:
                     return
+        except urllib.error.HTTPError:
+            if any_answer:
+                return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
@@ -258,16 +263,32 @@ def start_pd(
     health_timeout_s: float = 300.0,
     start_proxy: bool = True,
     confine_engines: bool = False,
+    decode_block_size: int | None = None,
+    pair_at_startup: bool = True,
+    proxy_must_be_healthy: bool = True,
 ) -> Deployment:
     """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
     tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
     otherwise only the model's compute threads are bound (VLLM_CPU_OMP_THREADS_BIND) and vLLM's
-    other processes float over all cores."""
+    other processes float over all cores.
+
+    kvpush: the decode is given the prefill's address (extra config prefill_addresses), so it handshakes
+    at start-up and refuses to start on a layout mismatch (pair_at_startup=False leaves that out, to
+    see what the proxy's pairing check does with a mismatch), and a pairing_port the proxy checks the
+    pairing on (at its start and on /health). decode_block_size: a different block size for the decode."""
     if connector not in CONNECTORS:
         raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
     p_port, d_port, p_kv, d_kv = free_ports(4, span=8)
     x_port = proxy_port or free_port()
     tag = connector.replace("-", "_")
+    pairing_port = free_port() if connector == "kvpush" else 0
+    decode_extra = dict(decode_extra or {})
+    if pairing_port:
+        decode_extra.setdefault("pairing_port", pairing_port)
+        if pair_at_startup:
+            decode_extra.setdefault(
+                "prefill_addresses", [{"engine_id": f"{tag}-prefill", "host": "127.0.0.1", "port": p_kv}]
+            )
     prefill = EngineSpec(
         "prefill",
         model,
@@ -290,8 +311,8 @@ def start_pd(
         f"{tag}-decode",
         d_kv,
         max_model_len,
-        block_size,
-        dict(decode_extra or {}),
+        decode_block_size or block_size,
+        decode_extra,
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
@@ -319,6 +340,8 @@ def start_pd(
                 "--prefill-kv-port",
                 str(p_kv),
             ]
+            if pairing_port:
+                argv += ["--decode-pairing", f"http://127.0.0.1:{pairing_port}"]
             procs.append(
                 Started(f"{connector}-proxy", argv, dict(os.environ), log_dir / f"{connector}-proxy.log")
             )
@@ -332,7 +355,7 @@ def start_pd(
         for spec in (prefill, decode):
             wait_healthy(spec.url, procs, health_timeout_s)
         if url:
-            wait_healthy(url, procs, 60)
+            wait_healthy(url, procs, 60, any_answer=not proxy_must_be_healthy)
         return Deployment(connector, url, procs, [prefill, decode])
     except BaseException:
         for p in reversed(procs):
