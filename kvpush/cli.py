@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench-vllm": ("kvpush.platforms.vllm.tools.bench_vllm", "head-to-head of vLLM connectors on real vLLM"),
     "cluster": ("kvpush.apps.cluster", "find and check the AWS test cluster's nodes"),
     "doctor": ("kvpush.apps.doctor", "what this host offers kvpush; the memory path and transport it picks"),
+    "fuzz": ("kvpush.apps.fuzz", "throw N mutated frames at every wire decode path; 0 crashes expected"),
 }
 
 

@@ -14,6 +14,9 @@ import msgspec
 
 from .errors import ConfigError
 
+MIN_KEY_BYTES = 16  # as kvpush.protocol.handshake.MIN_KEY_BYTES (config must not import the protocol)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     engine_id: str = "kvpush"
@@ -43,7 +46,30 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     idle_poll_s: float = 0.02
     handshake_timeout_s: float = 10.0
     max_message_bytes: int = 1 << 20
+    # Fencing. A registration expires at its ready deadline (expect() + ready_timeout_s); the prefill never
+    # posts after that, abandons a WRITE write_timeout_s after posting it, and write_linger_s bounds how
+    # late an abandoned WRITE's bytes may still land. The decode hands blocks back once no WRITE can land:
+    # on news that rules it out, or at expiry + write_timeout_s + write_linger_s.
+    write_timeout_s: float = 10.0
+    write_linger_s: float = 1.0
+    # Liveness on the side channel: each side pings every ping_interval_s; a peer not heard from for
+    # peer_timeout_s is silent (its requests end, and the decode re-handshakes to find a restart).
+    ping_interval_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    # Authentication: a shared secret of at least 16 bytes, the same on both sides. require_auth None means
+    # "required when listening beyond loopback"; True always; False never (explicitly unauthenticated).
     hmac_key: bytes | None = None
+    require_auth: bool | None = None
+    # Prefill: decode engine ids allowed to handshake (empty: any).
+    allowed_decode_ids: tuple[str, ...] = ()
+    # Prefill: per decode rank, at most this many pending registrations and bytes of their block tables.
+    max_pending_per_peer: int = 4096
+    max_pending_bytes_per_peer: int = 64 << 20
+    # Per connection and loop round, at most this many side-channel messages (others wait a round).
+    max_messages_per_peer_round: int = 16
+    # Optional Prometheus HTTP endpoint (prometheus_client.start_http_server); None: off.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -58,6 +84,10 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "max_busy_poll_s",
             "idle_poll_s",
             "handshake_timeout_s",
+            "write_timeout_s",
+            "write_linger_s",
+            "ping_interval_s",
+            "peer_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -72,11 +102,45 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if not self.backends:
             raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
+        if self.peer_timeout_s <= self.ping_interval_s:
+            raise ConfigError(
+                f"peer_timeout_s ({self.peer_timeout_s}) must exceed ping_interval_s ({self.ping_interval_s})"
+            )
+        if self.hmac_key is not None and len(self.hmac_key) < MIN_KEY_BYTES:
+            raise ConfigError(
+                f"hmac_key is {len(self.hmac_key)} bytes; a shared key needs at least {MIN_KEY_BYTES} "
+                "(e.g. 32 random bytes); an empty or short key is refused"
+            )
+        if self.require_auth and self.hmac_key is None:
+            raise ConfigError("require_auth=True but no hmac_key is set: set the same key on both sides")
         unknown = sorted(set(self.backend_params) - set(self.backends))
         if unknown:
             raise ConfigError(
                 f"backend_params names backends {unknown} that are not in backends {list(self.backends)}"
             )
+        for name in ("max_pending_per_peer", "max_pending_bytes_per_peer", "max_messages_per_peer_round"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def check_listen(self) -> None:
+        """Before a prefill listens: beyond loopback, authentication is required unless switched off."""
+        if self.auth_required and self.hmac_key is None:
+            raise ConfigError(
+                f"a prefill listening on {self.host!r} (beyond loopback) requires authentication, and no "
+                "hmac_key is set: set the same key (>= 16 bytes) on both sides, or require_auth=False to run "
+                "unauthenticated on purpose"
+            )
+
+    @property
+    def auth_required(self) -> bool:
+        if self.require_auth is not None:
+            return self.require_auth
+        return self.host not in LOOPBACK
+
+    @property
+    def write_bound_s(self) -> float:
+        """How long after a registration's expiry a WRITE of it may still land."""
+        return self.write_timeout_s + self.write_linger_s
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> KVPushConfig:

@@ -4,6 +4,7 @@ the public lifecycle (start, close, sticky death) and the engine-call argument c
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -20,7 +21,7 @@ from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, prepare_environment
 from .control import ControlPlane, ZmqControl
 from .loop import Worker
-from .stats import Ledger
+from .stats import Ledger, serve_metrics
 
 log = logging.getLogger("kvpush")
 
@@ -103,7 +104,8 @@ class EndpointWorker(Worker, Generic[R]):
         self.hooks = hooks
         self.layout = layout
         self.mem_type = mem_type
-        self.codec = Codec(config.max_message_bytes, config.hmac_key)
+        self.codec = Codec(config.max_message_bytes)
+        self.instance = os.urandom(16)  # new per start of this process's endpoint: peers spot a restart
         self.control: ControlPlane = control if control is not None else ZmqControl()
         self._transport_source = transport
         self._next_tick = 0.0
@@ -122,7 +124,14 @@ class EndpointWorker(Worker, Generic[R]):
             transport = src  # type: ignore[assignment]
         transport.register(self.layout.regions, self.mem_type)
         hello = make_hello(
-            self.config.engine_id, self.role, transport.name, transport.metadata(), self.mem_type, self.layout
+            self.config.engine_id,
+            self.role,
+            transport.name,
+            transport.metadata(),
+            self.mem_type,
+            self.layout,
+            instance=self.instance,
+            auth=self.config.hmac_key is not None,
         )
         return transport, hello
 
@@ -143,15 +152,18 @@ class EndpointWorker(Worker, Generic[R]):
         except Exception:
             log.exception("kvpush: result listener failed")
 
-    def decode_or_count(self, data: bytes | None, origin: str) -> Message | None:
-        """Decode one message; a bad one is counted and logged, never raised into the loop."""
+    def decode_or_count(
+        self, data: bytes | None, origin: str, opener: Callable[[bytes], Message] | None = None
+    ) -> Message | None:
+        """Open one frame (opener: a session's, or a Hello's); a bad one is counted and logged (the peer's
+        name escaped), never raised into the loop."""
         try:
             if data is None:
                 raise WireError("malformed frame (wrong number of parts or over the size limit)")
-            return self.codec.decode(data)
+            return (opener or self.codec.decode)(data)
         except WireError as exc:
             self.ledger.add("wire_errors")
-            log.warning("kvpush: dropped a message from %s: %s", origin, exc)
+            log.warning("kvpush: dropped a message from %s: %s", ascii(origin), exc)
             return None
 
 
@@ -167,6 +179,8 @@ class Endpoint(Generic[R]):
 
     def start(self) -> None:
         self._worker.start()
+        if self.config.metrics_port is not None:
+            serve_metrics(self.config.metrics_host, self.config.metrics_port)
 
     def __enter__(self) -> Any:
         self.start()

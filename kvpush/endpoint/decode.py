@@ -8,23 +8,35 @@
 
 Closing (or a dead transfer thread) deregisters the cache memory first, so no WRITE can land, and then
 reports every live request as failed: the engine never waits for KV that cannot come.
+
+Per prefill rank the worker keeps one side-channel connection with its own session (handshake.Session):
+registrations wait until the Hello is answered, then go out sealed, their expiry converted into the
+prefill's clock (conservatively: with the largest `prefill clock - our clock at receipt` seen, which
+never overstates the prefill's clock). Pings every ping_interval_s keep both sides informed; a prefill
+not heard from for peer_timeout_s is silent (its requests end and come back at their fence) and is
+re-handshaken on a fresh connection; an answer from a new instance at the same address proves the old
+process gone (its requests come back at once) and the next request works. Notifications are honoured
+only from the NIXL agent that the rank's Hello named, through that rank's session.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from ..config import KVPushConfig
-from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError
-from ..protocol.handshake import check_peer_hello
+from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError, WireError
+from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.receiver import (
     Discarded,
@@ -36,7 +48,19 @@ from ..protocol.receiver import (
     SendRegistration,
 )
 from ..protocol.tp import senders_for
-from ..protocol.wire import ErrorReply, Hello, TransferDone, TransferFailed
+from ..protocol.wire import (
+    PLAIN,
+    Abort,
+    ErrorReply,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Registration,
+    TransferDone,
+    TransferFailed,
+    split_frame,
+)
 from ..transport.base import Transport
 from .base import Endpoint, EndpointWorker, PrefillAddress, RecvResult, TransferHooks, checked_blocks
 from .control import ControlChannel, ControlPlane
@@ -49,9 +73,20 @@ class _PrefillPeer:
     address: PrefillAddress
     rank: int
     channel: ControlChannel
+    nonce: bytes = b""  # ours, for this connection's Hello
     hello: Hello | None = None
+    session: Session | None = None
     error: str = ""
     waiters: list[threading.Event] = field(default_factory=list)
+    backlog: list[Registration | Abort] = field(default_factory=list)  # waiting for the Hello's answer
+    clock_offset: float | None = None  # max(prefill clock - our clock at receipt)
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    connected_at: float = 0.0
+    instance: bytes = b""  # the prefill process we last completed a Hello with
+
+
+MAX_BACKLOG = 4096  # messages waiting for one prefill rank's handshake answer
 
 
 class ReceiveWorker(EndpointWorker[RecvResult]):
@@ -69,9 +104,15 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
     ) -> None:
         super().__init__(config, layout, mem_type, transport, control, hooks)
         self.state = ReceiverState(
-            config.engine_id, layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.ready_timeout_s
+            config.engine_id,
+            layout.tp_rank,
+            layout.tp_size,
+            layout.total_kv_heads,
+            config.ready_timeout_s,
+            config.write_bound_s,
         )
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
+        self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
 
     def setup(self) -> None:
@@ -98,27 +139,110 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         did = False
         for peer_name, data in self.transport.drain_notifs():
             did = True
-            msg = self.decode_or_count(data, f"NIXL peer {peer_name}")
-            if isinstance(msg, TransferDone):
-                self._apply(self.state.on_done(msg, now))
-            elif isinstance(msg, TransferFailed):
-                self._apply(self.state.on_failed(msg, now))
-            elif msg is not None:
-                self.ledger.add("wire_errors")
-                log.warning(
-                    "kvpush decode: unexpected %s notification from %s", type(msg).__name__, peer_name
-                )
+            self._on_notification(peer_name, data, now)
         for peer in list(self.prefills.values()):
-            for _ in range(64):  # bounded per peer and round: one chatty prefill cannot starve the others
+            for _ in range(
+                self.config.max_messages_per_peer_round
+            ):  # one chatty prefill cannot starve others
                 reply = peer.channel.recv()
                 if reply is None:
                     break
                 did = True
                 self._on_reply(peer, reply, now)
         if self.tick_due(now):
+            self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
+            self.ledger.peers(sum(1 for p in self.prefills.values() if p.session is not None))
         return did
+
+    def _on_notification(self, peer_name: str, data: bytes, now: float) -> None:
+        """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
+        peer = self.by_agent.get(peer_name)
+        if peer is None or peer.session is None:
+            self.ledger.add("wire_errors")
+            log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
+            return
+        session = peer.session
+        msg = self.decode_or_count(data, f"NIXL peer {peer_name}", lambda d: session.open(d, b"notif"))
+        if msg is None:
+            return
+        peer.last_heard = now
+        if isinstance(msg, TransferDone | TransferFailed) and msg.prefill_rank != peer.rank:
+            self.ledger.add("refused")
+            log.warning(
+                "kvpush decode: agent %s (prefill rank %s) reported for rank %s: dropped",
+                ascii(peer_name),
+                peer.rank,
+                msg.prefill_rank,
+            )
+        elif isinstance(msg, TransferDone):
+            self._apply(self.state.on_done(msg, now))
+        elif isinstance(msg, TransferFailed):
+            self._apply(self.state.on_failed(msg, now))
+        else:
+            self.ledger.add("wire_errors")
+            log.warning(
+                "kvpush decode: unexpected %s notification from %s", type(msg).__name__, ascii(peer_name)
+            )
+
+    def _liveness(self, now: float) -> None:
+        """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
+        cfg = self.config
+        for peer in list(self.prefills.values()):
+            if peer.session is not None and now - peer.last_ping >= cfg.ping_interval_s:
+                peer.last_ping = now
+                self._send_sealed(peer, Ping(clock=now))
+            heard = max(peer.last_heard, peer.connected_at)
+            if now - heard < cfg.peer_timeout_s:
+                continue
+            gone = self._agent_gone(peer)
+            why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.peer_timeout_s})"
+            if self.state.owed_by(peer.rank):
+                self.ledger.add("peers_gone")
+                if gone:
+                    self._apply(self.state.on_peer_gone(peer.rank, f"its NIXL agent is gone; {why}", now))
+                else:
+                    self._apply(self.state.on_peer_silent(peer.rank, why, now))
+            self._reconnect(peer, now)
+
+    def _agent_gone(self, peer: _PrefillPeer) -> bool:
+        """Proof that the prefill process is gone: its NIXL agent refuses a notification."""
+        if peer.hello is None:
+            return False
+        try:
+            self.transport.send_notif(peer.hello.agent_name, b"")
+        except TransportError:
+            return True
+        return False
+
+    def _reconnect(self, peer: _PrefillPeer, now: float) -> None:
+        """A fresh connection and Hello: finds a restarted prefill (a new instance) or a resumed one."""
+        with contextlib.suppress(KeyError):
+            self.poller.unregister(peer.channel.pollable)
+        peer.channel.close()
+        peer.channel = self.control.connect(
+            peer.address.host, peer.address.rank_port(peer.rank), self.config.max_message_bytes
+        )
+        self.poller.register(peer.channel.pollable, zmq.POLLIN)
+        self._send_hello(peer, now)
+
+    def _send_hello(self, peer: _PrefillPeer, now: float) -> None:
+        peer.nonce = os.urandom(16)
+        peer.session = None
+        peer.connected_at = now
+        hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
+        try:
+            peer.channel.send(hello_frame(self.codec, hello, self.config.hmac_key))
+        except TransportError as exc:
+            log.warning("kvpush decode: hello to prefill %s failed: %s", ascii(peer.address.engine_id), exc)
+
+    def _send_sealed(self, peer: _PrefillPeer, msg: Message) -> None:
+        assert peer.session is not None
+        try:
+            peer.channel.send(peer.session.seal(msg))
+        except TransportError as exc:
+            log.warning("kvpush decode: side channel to prefill rank %s: %s", peer.rank, exc)
 
     def _peer(self, address: PrefillAddress, rank: int) -> _PrefillPeer:
         key = (address.engine_id, rank)
@@ -129,50 +253,110 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             )
             self.poller.register(channel.pollable, zmq.POLLIN)
             peer = self.prefills[key] = _PrefillPeer(address, rank, channel)
-            # messages on one channel arrive in order: the hello is processed before any registration
-            channel.send(self.codec.encode(self.hello))
+            self._send_hello(peer, time.monotonic())
         return peer
 
     def _on_reply(self, peer: _PrefillPeer, data: bytes, now: float) -> None:
-        msg = self.decode_or_count(data, f"prefill {peer.address.engine_id} rank {peer.rank}")
+        origin = f"prefill {peer.address.engine_id} rank {peer.rank}"
+        msg: Message | None
+        if peer.session is None:
+            msg = self._open_hello_reply(peer, data, origin)
+        else:
+            session = peer.session
+            msg = self.decode_or_count(data, origin, session.open)
+            if msg is None:
+                msg = self._plain_refusal(data)  # a restarted prefill answers an unknown connection plainly
         if isinstance(msg, Hello):
-            try:
-                check_peer_hello(self.layout, msg, prefill_side=False)
-                peer.hello, peer.error = msg, ""
-            except LayoutError as exc:
-                peer.error = str(exc)
+            self._on_hello_reply(peer, msg, now)
         elif isinstance(msg, ErrorReply):
-            if msg.request_id:
-                self._apply(
-                    self.state.on_failed(
-                        TransferFailed(
-                            request_id=msg.request_id,
-                            attempt=msg.attempt,
-                            prefill_rank=peer.rank,
-                            reason=msg.reason,
-                        ),
-                        now,
-                    )
-                )
-            else:
-                peer.error = msg.reason
-                log.error(
-                    "kvpush decode: prefill %s rank %s refused us: %s",
-                    peer.address.engine_id,
-                    peer.rank,
-                    msg.reason,
-                )
+            self._on_error_reply(peer, msg, now)
+        elif isinstance(msg, Ping | Pong):
+            self._heard(peer, msg.clock, now)
+            if isinstance(msg, Ping):
+                self._send_sealed(peer, Pong(clock=now))
         elif msg is not None:
             self.ledger.add("wire_errors")
             log.warning(
-                "kvpush decode: unexpected %s on the side channel from prefill %s rank %s",
-                type(msg).__name__,
-                peer.address.engine_id,
-                peer.rank,
+                "kvpush decode: unexpected %s on the side channel from %s", type(msg).__name__, ascii(origin)
             )
         for ev in peer.waiters:
             ev.set()
         peer.waiters.clear()
+
+    def _open_hello_reply(self, peer: _PrefillPeer, data: bytes, origin: str) -> Message | None:
+        try:
+            return open_hello(self.codec, data, self.config.hmac_key, echo=peer.nonce)
+        except AuthMismatch as exc:
+            peer.error = str(exc)
+            self.ledger.add("refused")
+            log.error("kvpush decode: %s: %s", ascii(origin), exc)
+            return None
+        except WireError:
+            refusal = self._plain_refusal(data)
+            if refusal is None:
+                self.ledger.add("wire_errors")
+            return refusal
+
+    def _plain_refusal(self, data: bytes) -> ErrorReply | None:
+        """A plain ErrorReply (refusals before or outside a session) on our own connection."""
+        try:
+            flag, body, _seq, _tag = split_frame(data, self.codec.max_bytes)
+            msg = self.codec.decode(body) if flag == PLAIN else None
+        except WireError:
+            return None
+        return msg if isinstance(msg, ErrorReply) else None
+
+    def _heard(self, peer: _PrefillPeer, clock: float, now: float) -> None:
+        peer.last_heard = now
+        off = clock - now
+        peer.clock_offset = off if peer.clock_offset is None else max(peer.clock_offset, off)
+
+    def _on_hello_reply(self, peer: _PrefillPeer, msg: Hello, now: float) -> None:
+        try:
+            check_peer_hello(self.layout, msg, prefill_side=False)
+        except LayoutError as exc:
+            peer.error = str(exc)
+            return
+        if peer.instance and peer.instance != msg.instance:
+            # a new process answers at the old one's address: the old one is gone, and so are its WRITEs
+            self.ledger.add("peers_gone")
+            self._apply(self.state.on_peer_gone(peer.rank, "it restarted (a new instance answered)", now))
+        if peer.hello is not None:
+            self.by_agent.pop(peer.hello.agent_name, None)
+        peer.hello, peer.error, peer.instance = msg, "", msg.instance
+        peer.session = Session(self.codec, self.config.hmac_key, peer.nonce, msg.nonce, "decode")
+        self.by_agent[msg.agent_name] = peer
+        peer.clock_offset = None
+        self._heard(peer, msg.clock, now)
+        backlog, peer.backlog = peer.backlog, []
+        for item in backlog:
+            self._apply(self._send_now(peer, item))
+
+    def _on_error_reply(self, peer: _PrefillPeer, msg: ErrorReply, now: float) -> None:
+        if msg.code == "hello_first":
+            # the prefill does not know this connection (it restarted): handshake again
+            self._reconnect(peer, now)
+            return
+        if msg.request_id:
+            self._apply(
+                self.state.on_failed(
+                    TransferFailed(
+                        request_id=msg.request_id,
+                        attempt=msg.attempt,
+                        prefill_rank=peer.rank,
+                        reason=msg.reason,
+                    ),
+                    now,
+                )
+            )
+            return
+        peer.error = msg.reason
+        log.error(
+            "kvpush decode: prefill %s rank %s refused us: %s",
+            ascii(peer.address.engine_id),
+            peer.rank,
+            msg.reason,
+        )
 
     # ---- the action pump ----------------------------------------------------------------------
     def _apply(self, actions: Iterable[ReceiverAction]) -> None:
@@ -193,19 +377,35 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         if address is None:
             return []
         peer = self._peer(address, act.prefill_rank)
-        try:
-            peer.channel.send(self.codec.encode(act.message))
-        except TransportError as exc:
-            return self.state.on_failed(
-                TransferFailed(
-                    request_id=act.message.request_id,
-                    attempt=act.message.attempt,
-                    prefill_rank=act.prefill_rank,
-                    reason=f"side channel send failed: {exc}",
-                ),
-                time.monotonic(),
+        if peer.session is None:
+            if len(peer.backlog) >= MAX_BACKLOG:
+                return self._failed_send(
+                    act.message, act.prefill_rank, "too many messages wait for its handshake"
+                )
+            peer.backlog.append(act.message)
+            return []
+        return self._send_now(peer, act.message)
+
+    def _send_now(self, peer: _PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+        assert peer.session is not None
+        if isinstance(msg, Registration):
+            # our expiry in the prefill's clock: the offset never overstates the prefill's clock, so the
+            # prefill stops posting no later than our own expiry
+            msg = msgspec.structs.replace(
+                msg, expires_at=max(0.0, msg.expires_at + (peer.clock_offset or 0.0))
             )
+        try:
+            peer.channel.send(peer.session.seal(msg))
+        except (TransportError, WireError) as exc:
+            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}")
         return []
+
+    def _failed_send(self, msg: Registration | Abort, rank: int, reason: str) -> list[ReceiverAction]:
+        """Nothing was sent, so nothing can be written from it: the attempt fails for this rank now."""
+        return self.state.on_failed(
+            TransferFailed(request_id=msg.request_id, attempt=msg.attempt, prefill_rank=rank, reason=reason),
+            time.monotonic(),
+        )
 
     def _finish(self, act: Ready | Failed) -> None:
         now = time.monotonic()
@@ -224,7 +424,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
         else:
             result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now)
-        self.ledger.finished(result.ok)
+        self.ledger.finished(result.ok, reason=result.reason)
         self.put_result(result)
 
     # ---- commands -----------------------------------------------------------------------------
@@ -248,7 +448,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
         )
         peers = [self._peer(prefill, r) for r in ranks]
-        pending = [p for p in peers if p.hello is None and not p.error]
+        pending = [p for p in peers if p.session is None and not p.error]
         if not pending:
             done.set()
         for p in pending:
@@ -293,7 +493,7 @@ class DecodeEndpoint(Endpoint[RecvResult]):
             errors = [p.error for p in peers if p.error]
             if errors:
                 raise PeerRefused(f"prefill {prefill.engine_id!r} refused the pairing: {errors[0]}")
-            if all(p.hello is not None for p in peers):
+            if all(p.session is not None for p in peers):
                 return
 
     def expect(

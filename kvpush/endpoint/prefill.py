@@ -14,23 +14,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from ..config import KVPushConfig
-from ..errors import LayoutError, TransportError
-from ..protocol.handshake import check_peer_hello
+from ..errors import LayoutError, TransportError, WireError
+from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan, PairUnits, build_index_plan, pair_units
 from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.tp import receivers_for
-from ..protocol.wire import Abort, ErrorReply, Hello, Registration, TransferDone, TransferFailed
+from ..protocol.wire import (
+    PLAIN,
+    Abort,
+    ErrorReply,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    Registration,
+    TransferDone,
+    TransferFailed,
+)
 from ..transport.base import PreparedList, Transport
 from .base import Endpoint, EndpointWorker, SendResult, TransferHooks, checked_blocks
 from .control import ControlListener, ControlPlane
@@ -38,8 +51,28 @@ from .control import ControlListener, ControlPlane
 log = logging.getLogger("kvpush")
 
 # At most this many side-channel messages per loop round, so one flooding peer cannot starve WRITE
-# progress, completions and ticks.
+# progress, completions and ticks; per connection, config.max_messages_per_peer_round (the rest of a
+# connection's messages wait, in order, in its backlog, so one peer cannot starve the others either).
 MAX_MESSAGES_PER_ROUND = 64
+MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; beyond: refused
+MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
+
+
+@dataclass
+class _Conn:
+    """One side-channel connection: its session once a Hello is accepted, and what it may do."""
+
+    conn: bytes
+    seen_at: float
+    session: Session | None = None
+    identity: tuple[str, int] | None = None  # (decode engine id, rank) its Hello bound
+    instance: bytes = b""
+    agent: str = ""
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    backlog: deque[bytes] = field(default_factory=deque)
+    regs: dict[str, int] = field(default_factory=dict)  # pending request -> bytes of its block table
+    reg_bytes: int = 0
 
 
 @dataclass
@@ -96,8 +129,13 @@ class PushWorker(EndpointWorker[SendResult]):
         self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
         self.timeline: dict[str, dict[str, float]] = {}  # request -> TIMELINE marks so far
         self.bound_port = 0
+        self.conns: dict[bytes, _Conn] = {}
+        self.bound: dict[
+            tuple[str, int], bytes
+        ] = {}  # decode (engine, rank) -> the connection it is bound to
 
     def setup(self) -> None:
+        self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
         self.transport, self.hello = self.setup_transport()
         port = self.config.port + self.layout.tp_rank if self.config.port else 0
         try:
@@ -144,13 +182,7 @@ class PushWorker(EndpointWorker[SendResult]):
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self, now: float) -> bool:
-        did = False
-        for _ in range(MAX_MESSAGES_PER_ROUND):
-            got = self.listener.recv()
-            if got is None:
-                break
-            did = True
-            self._on_side_message(got[0], got[1], now)
+        did = self._receive(now)
         if self.writes:
             before = len(self.writes)
             self._apply(self._progress_writes(now))
@@ -160,56 +192,305 @@ class PushWorker(EndpointWorker[SendResult]):
                 # prefill expects no notifications; draining keeps UCX progressing while requests are live
                 for peer, _msg in self.transport.drain_notifs():
                     log.debug("kvpush prefill: ignored notification from %s", peer)
+            self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
+            self.ledger.in_flight_bytes(sum(w.plan.nbytes for w in self.writes))
+        return did
+
+    def _receive(self, now: float) -> bool:
+        """One round of side-channel messages, fair per connection: each gets at most its share a round
+        (the rest wait in order in its backlog), and the round as a whole is capped."""
+        cap = self.config.max_messages_per_peer_round
+        did = False
+        counts: dict[bytes, int] = {}
+        for c in [c for c in self.conns.values() if c.backlog]:
+            while c.backlog and counts.get(c.conn, 0) < cap:
+                counts[c.conn] = counts.get(c.conn, 0) + 1
+                did = True
+                self._on_side_message(c.conn, c.backlog.popleft(), now)
+        for _ in range(MAX_MESSAGES_PER_ROUND):
+            got = self.listener.recv()
+            if got is None:
+                break
+            did = True
+            conn, data = got
+            counts[conn] = counts.get(conn, 0) + 1
+            known = self.conns.get(conn)
+            if known is not None and data is not None and (known.backlog or counts[conn] > cap):
+                if len(known.backlog) >= MAX_BACKLOG:
+                    self.ledger.add("refused")
+                    self._refuse(conn, "too many messages queued on this connection: slow down", "limit")
+                else:
+                    known.backlog.append(data)
+                continue
+            self._on_side_message(conn, data, now)
         return did
 
     def _on_side_message(self, conn: bytes, data: bytes | None, now: float) -> None:
-        msg = self.decode_or_count(data, "side channel")
-        if msg is None:
-            self._reply(conn, ErrorReply(reason="message refused: could not decode (see prefill log)"))
+        """One frame from one connection. Nothing a peer sends can raise out of here: bad frames are
+        counted and answered; a Registration or Abort counts only on the connection whose Hello bound
+        that (engine, rank), through that connection's session (authenticated, in order, no replays)."""
+        c = self.conns.get(conn)
+        if c is None or c.session is None:
+            self._on_first_message(conn, data, now)
             return
-        if isinstance(msg, Hello):
-            self._on_hello(conn, msg)
-        elif isinstance(msg, Registration):
-            if (msg.decode_engine_id, msg.decode_rank) not in self.peers:
-                self._reply(
+        session = c.session
+        msg = self.decode_or_count(data, f"decode {c.identity}", session.open)
+        if msg is None:
+            self._refuse(conn, "message refused: could not decode or authenticate it (see prefill log)")
+            return
+        c.last_heard = now
+        if isinstance(msg, Registration):
+            if self._admit_registration(c, msg):
+                self.timeline.setdefault(msg.request_id, {}).setdefault("registered", now)
+                self._apply(self.state.on_registration(msg, now))
+        elif isinstance(msg, Abort):
+            if (msg.decode_engine_id, msg.decode_rank) != c.identity:
+                self.ledger.add("refused")
+                self._refuse(
                     conn,
-                    ErrorReply(
-                        reason=f"registration from unknown decode {msg.decode_engine_id!r} rank "
-                        f"{msg.decode_rank}: send hello first",
-                        request_id=msg.request_id,
-                        attempt=msg.attempt,
-                    ),
+                    f"abort for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on the "
+                    f"connection of {c.identity}",
+                    "not_allowed",
+                    msg.request_id,
+                    msg.attempt,
                 )
                 return
-            self.timeline.setdefault(msg.request_id, {}).setdefault("registered", now)
-            self._apply(self.state.on_registration(msg, now))
-        elif isinstance(msg, Abort):
             self._apply(self.state.on_decode_abort(msg, now))
+        elif isinstance(msg, Ping):
+            self._send_sealed(c, Pong(clock=time.monotonic()))
+        elif isinstance(msg, Pong):
+            pass  # last_heard is all a pong is for
         else:
             self.ledger.add("wire_errors")
-            self._reply(conn, ErrorReply(reason=f"prefill does not accept {type(msg).__name__} messages"))
+            self._refuse(conn, f"prefill does not accept {type(msg).__name__} messages here")
 
-    def _on_hello(self, conn: bytes, hello: Hello) -> None:
+    def _on_first_message(self, conn: bytes, data: bytes | None, now: float) -> None:
+        """A connection without a session may only say Hello."""
+        key = self.config.hmac_key
+        try:
+            if data is None:
+                raise WireError("malformed frame (wrong number of parts or over the size limit)")
+            hello = open_hello(self.codec, data, key)
+        except AuthMismatch as exc:
+            self.ledger.add("refused")
+            log.warning("kvpush prefill: refused a handshake: %s", exc)
+            self._refuse(conn, str(exc), "auth_required" if key is not None else "auth_unexpected")
+            return
+        except WireError as exc:
+            self.ledger.add("wire_errors")
+            log.warning("kvpush prefill: dropped a message from an unknown connection: %s", exc)
+            self._refuse(conn, f"message refused: send hello first ({exc})", "hello_first")
+            return
+        self._on_hello(conn, hello, now)
+
+    def _on_hello(self, conn: bytes, hello: Hello, now: float) -> None:
+        allowed = self.config.allowed_decode_ids
+        if allowed and hello.engine_id not in allowed:
+            self.ledger.add("refused")
+            log.warning(
+                "kvpush prefill: refused decode %s: not in allowed_decode_ids", ascii(hello.engine_id)
+            )
+            self._refuse(
+                conn,
+                f"decode engine {hello.engine_id!r} is not in this prefill's allowed_decode_ids",
+                "not_allowed",
+            )
+            return
         try:
             peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
+        except LayoutError as exc:
+            self._refuse(conn, str(exc), "refused")
+            return
+        identity = (hello.engine_id, peer_layout.tp_rank)
+        old_conn = self.bound.get(identity)
+        old = self.conns.get(old_conn) if old_conn is not None else None
+        if old is not None and old.conn != conn:
+            if not self._provably_gone(old, now):
+                self.ledger.add("refused")
+                log.warning(
+                    "kvpush prefill: decode %s rank %s is bound to a live connection; refused a new "
+                    "hello for it",
+                    ascii(hello.engine_id),
+                    peer_layout.tp_rank,
+                )
+                self._refuse(
+                    conn,
+                    f"decode {hello.engine_id!r} rank {peer_layout.tp_rank} is bound to a live "
+                    f"connection; a new hello is accepted once that one is gone (silent for "
+                    f"{self.config.peer_timeout_s}s, or its NIXL agent disconnected)",
+                    "identity_in_use",
+                )
+                return
+            self._drop_conn(old, "a new handshake replaced it", now)
+        try:
             agent = self.transport.add_peer(hello.agent_metadata)
             self.transport.connect(agent)  # at handshake, not on the first request's critical path
-        except (LayoutError, TransportError) as exc:
-            self._reply(conn, ErrorReply(reason=str(exc)))
+        except TransportError as exc:
+            self._refuse(conn, str(exc), "refused")
             return
-        peer = self.peers[(hello.engine_id, peer_layout.tp_rank)] = _DecodePeer(agent, peer_layout)
+        nonce = os.urandom(16)
+        c = _Conn(
+            conn,
+            now,
+            Session(self.codec, self.config.hmac_key, hello.nonce, nonce, "prefill"),
+            identity,
+            hello.instance,
+            agent,
+            now,
+            now,
+        )
+        self._track(c)
+        self.bound[identity] = conn
+        peer = self.peers[identity] = _DecodePeer(agent, peer_layout)
         owed = receivers_for(
             self.layout.tp_rank, self.layout.tp_size, peer_layout.tp_size, self.layout.total_kv_heads
         ).get(peer_layout.tp_rank)
         if owed is not None:
             self._prepare(peer, owed)  # at handshake: the first request only computes indices
-        self._reply(conn, self.hello)
+        reply = msgspec.structs.replace(self.hello, nonce=nonce, clock=time.monotonic())
+        self._send_raw(conn, hello_frame(self.codec, reply, self.config.hmac_key, echo=hello.nonce))
+        self.ledger.peers(len(self.bound))
 
-    def _reply(self, conn: bytes, msg: Hello | ErrorReply) -> None:
+    def _admit_registration(self, c: _Conn, msg: Registration) -> bool:
+        """Checks before any per-rank work: the identity its connection bound, the TP that identity's
+        handshake declared, and this peer's limits on pending registrations and their bytes."""
+        if (msg.decode_engine_id, msg.decode_rank) != c.identity:
+            self.ledger.add("refused")
+            self._refuse(
+                c.conn,
+                f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
+                f"the connection of {c.identity}",
+                "not_allowed",
+                msg.request_id,
+                msg.attempt,
+            )
+            return False
+        peer = self.peers.get(c.identity)
+        if peer is None:
+            self._refuse(
+                c.conn,
+                "no handshake for this decode rank: send hello first",
+                "hello_first",
+                msg.request_id,
+                msg.attempt,
+            )
+            return False
+        if msg.decode_tp != peer.layout.tp_size:
+            self.ledger.add("refused")
+            self._refuse(
+                c.conn,
+                f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}",
+                "refused",
+                msg.request_id,
+                msg.attempt,
+            )
+            return False
+        size = 8 * len(msg.block_ids) + len(msg.request_id)
+        if msg.request_id not in c.regs:
+            cfg = self.config
+            if len(c.regs) >= cfg.max_pending_per_peer or c.reg_bytes + size > cfg.max_pending_bytes_per_peer:
+                live = set(self.state.pending())
+                c.regs = {r: n for r, n in c.regs.items() if r in live}
+                c.reg_bytes = sum(c.regs.values())
+            if len(c.regs) >= cfg.max_pending_per_peer or c.reg_bytes + size > cfg.max_pending_bytes_per_peer:
+                self.ledger.add("refused")
+                self._refuse(
+                    c.conn,
+                    f"too many pending registrations from this decode rank ({len(c.regs)}, "
+                    f"{c.reg_bytes} bytes; limits {cfg.max_pending_per_peer}, "
+                    f"{cfg.max_pending_bytes_per_peer})",
+                    "limit",
+                    msg.request_id,
+                    msg.attempt,
+                )
+                return False
+            c.regs[msg.request_id] = size
+            c.reg_bytes += size
+        return True
+
+    def _provably_gone(self, c: _Conn, now: float) -> bool:
+        """A bound identity may move to a new connection only once the old one is gone: silent past
+        peer_timeout_s, or its NIXL agent refuses a notification."""
+        if now - c.last_heard >= self.config.peer_timeout_s:
+            return True
         try:
-            self.listener.send(conn, self.codec.encode(msg))
+            self.transport.send_notif(c.agent, b"")
+        except TransportError:
+            return True
+        return False
+
+    def _drop_conn(self, c: _Conn, reason: str, now: float) -> None:
+        """Forget a connection; the requests its decode registered fail (the decode is gone or replaced)."""
+        self.conns.pop(c.conn, None)
+        if c.identity is not None and self.bound.get(c.identity) == c.conn:
+            del self.bound[c.identity]
+            self.ledger.add("peers_gone")
+            engine, rank = c.identity
+            for rid in c.regs:
+                if rid in self.state.pending():
+                    self._apply(self.state.abort(rid, f"decode {engine!r} rank {rank}: {reason}", now))
+        self.ledger.peers(len(self.bound))
+
+    def _track(self, c: _Conn) -> None:
+        self.conns[c.conn] = c
+        if len(self.conns) > MAX_CONNECTIONS:
+            for old in sorted(self.conns.values(), key=lambda x: x.seen_at)[: len(self.conns) // 4]:
+                if old.identity is None:
+                    self.conns.pop(old.conn, None)
+
+    def _liveness(self, now: float) -> None:
+        """Ping bound connections; drop silent ones; prune NIXL peers nothing uses any more."""
+        cfg = self.config
+        for c in list(self.conns.values()):
+            if c.session is None:
+                continue
+            if now - c.last_ping >= cfg.ping_interval_s:
+                c.last_ping = now
+                self._send_sealed(c, Ping(clock=time.monotonic()))
+            if now - c.last_heard >= cfg.peer_timeout_s:
+                log.warning(
+                    "kvpush prefill: decode %s silent for %.1fs: dropped",
+                    ascii(str(c.identity)),
+                    now - c.last_heard,
+                )
+                self._drop_conn(c, f"silent for {now - c.last_heard:.1f}s", now)
+        in_use = {c.agent for c in self.conns.values()}
+        for identity, peer in list(self.peers.items()):
+            if identity in self.bound or self.state.writing_to(*identity):
+                continue
+            del self.peers[identity]
+            if peer.agent not in in_use:
+                with contextlib.suppress(TransportError):
+                    self.transport.remove_peer(peer.agent)
+
+    def _seal_notif(self, engine_id: str, rank: int, msg: Message) -> bytes:
+        """A notification to a decode rank, sealed with its connection's session."""
+        conn = self.bound.get((engine_id, rank))
+        c = self.conns.get(conn) if conn is not None else None
+        if c is None or c.session is None:
+            raise TransportError(f"no live session with decode {engine_id!r} rank {rank}")
+        return c.session.seal(msg, b"notif")
+
+    def _send_sealed(self, c: _Conn, msg: Message) -> None:
+        assert c.session is not None
+        self._send_raw(c.conn, c.session.seal(msg))
+
+    def _refuse(
+        self, conn: bytes, reason: str, code: str = "", request_id: str = "", attempt: int = 0
+    ) -> None:
+        """Answer a connection with an ErrorReply: sealed if it has a session, else plain."""
+        msg = ErrorReply(reason=reason[:2000], request_id=request_id, attempt=attempt, code=code)
+        c = self.conns.get(conn)
+        if c is not None and c.session is not None:
+            self._send_raw(conn, c.session.seal(msg))
+        else:
+            self._send_raw(conn, bytes([PLAIN]) + self.codec.encode(msg))
+
+    def _send_raw(self, conn: bytes, frame: bytes) -> None:
+        try:
+            self.listener.send(conn, frame)
         except TransportError as exc:
             log.warning("kvpush prefill: could not reply on side channel: %s", exc)
 
@@ -273,13 +554,15 @@ class PushWorker(EndpointWorker[SendResult]):
                 plan = build_plan(
                     self.layout, peer.layout, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads
                 )
-            notif = self.codec.encode(
+            notif = self._seal_notif(
+                act.decode_engine_id,
+                act.decode_rank,
                 TransferDone(
                     request_id=act.request_id,
                     attempt=act.attempt,
                     prefill_rank=self.layout.tp_rank,
                     nbytes=plan.nbytes,
-                )
+                ),
             )
             t_plan = time.monotonic()
             marks.setdefault("plan_built", t_plan)
@@ -333,6 +616,9 @@ class PushWorker(EndpointWorker[SendResult]):
         follow: list[SenderAction] = []
         still: list[_Write] = []
         for w in self.writes:
+            if now - w.posted_at >= self.config.write_timeout_s:
+                follow += self._abandon(w, now)  # checked before polling: an overdue WRITE is not advanced
+                continue
             try:
                 if self.transport.poll(w.handle) == "PROC":
                     still.append(w)
@@ -367,6 +653,18 @@ class PushWorker(EndpointWorker[SendResult]):
         self.writes = still
         return follow
 
+    def _abandon(self, w: _Write, now: float) -> list[SenderAction]:
+        """A WRITE past write_timeout_s: release its handle and tell the machine (and so the decode) that
+        it was abandoned; the decode keeps the blocks until its fence."""
+        with contextlib.suppress(TransportError):
+            self.transport.release(w.handle)
+        self.ledger.add("write_timeouts")
+        a = w.action
+        reason = f"WRITE not complete after {self.config.write_timeout_s}s: abandoned"
+        return self.state.on_write_done(
+            a.request_id, a.attempt, a.decode_rank, False, 0, reason, time.monotonic(), abandoned=True
+        )
+
     def _notify_failure(self, act: NotifyFailure) -> None:
         peer = self.peers.get((act.decode_engine_id, act.decode_rank))
         if peer is None:
@@ -383,9 +681,14 @@ class PushWorker(EndpointWorker[SendResult]):
             attempt=act.attempt,
             prefill_rank=self.layout.tp_rank,
             reason=act.reason[:2000],
+            abandoned=act.abandoned,
         )
+        if "expir" in act.reason:
+            self.ledger.add("expired")
         try:
-            self.transport.send_notif(peer.agent, self.codec.encode(msg))
+            self.transport.send_notif(
+                peer.agent, self._seal_notif(act.decode_engine_id, act.decode_rank, msg)
+            )
         except TransportError as exc:
             log.warning("kvpush prefill: %s", exc)
 
@@ -394,7 +697,7 @@ class PushWorker(EndpointWorker[SendResult]):
         started = self.prefill_done_at.pop(act.request_id, None)
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)
-        self.ledger.finished(act.ok, None if started is None else now - started)
+        self.ledger.finished(act.ok, None if started is None else now - started, act.reason)
         marks = self.timeline.pop(act.request_id, {})
         if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
             live = set(self.state.pending())

@@ -6,9 +6,12 @@ the ledger is the only code that touches them, so a counter cannot be defined an
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, fields
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from ..errors import ConfigError
 
 LABELS = ("role", "engine_id", "rank")
 
@@ -19,6 +22,11 @@ WRITES = Counter("kvpush_writes_total", "WRITEs posted", LABELS)
 REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", (*LABELS, "outcome"))
 WIRE_ERRORS = Counter("kvpush_wire_errors_total", "Messages refused at decoding or matching", LABELS)
 DISCARDED = Counter("kvpush_discarded_total", "Messages that matched nothing live (late or stale)", LABELS)
+FAILURES = Counter("kvpush_failures_total", "Requests failed, by reason class", (*LABELS, "reason"))
+EXPIRED = Counter("kvpush_expired_total", "Leases and registrations that expired", LABELS)
+REFUSED = Counter("kvpush_refused_total", "Handshakes and messages refused (auth, identity, limits)", LABELS)
+PEERS = Gauge("kvpush_peers", "Peers with a completed handshake", LABELS)
+IN_FLIGHT_BYTES = Gauge("kvpush_in_flight_bytes", "Bytes of WRITEs posted and not yet settled", LABELS)
 PENDING = Gauge("kvpush_pending_requests", "Requests the endpoint's state machine tracks", LABELS)
 READY_LATENCY = Histogram(
     "kvpush_transfer_seconds",
@@ -34,7 +42,49 @@ _MIRROR = {
     "writes": WRITES,
     "wire_errors": WIRE_ERRORS,
     "discarded": DISCARDED,
+    "expired": EXPIRED,
+    "refused": REFUSED,
 }
+
+# What a failure's reason text says, as a small fixed set of label values (never the raw text).
+_REASON_CLASSES = (
+    ("expir", "expired"),
+    ("lease", "expired"),
+    ("timed out", "timeout"),
+    ("timeout", "timeout"),
+    ("abort", "aborted"),
+    ("cancel", "aborted"),
+    ("gone", "peer_gone"),
+    ("silent", "peer_silent"),
+    ("closed", "closed"),
+    ("died", "closed"),
+    ("WRITE failed", "write_failed"),
+    ("superseded", "superseded"),
+)
+
+
+def reason_class(reason: str) -> str:
+    low = reason.lower()
+    for needle, label in _REASON_CLASSES:
+        if needle.lower() in low:
+            return label
+    return "other"
+
+
+_served: dict[tuple[str, int], bool] = {}
+_served_lock = threading.Lock()
+
+
+def serve_metrics(host: str, port: int) -> None:
+    """Start (once per address and process) prometheus_client's HTTP endpoint on host:port."""
+    with _served_lock:
+        if (host, port) in _served:
+            return
+        try:
+            start_http_server(port, addr=host)
+        except OSError as exc:
+            raise ConfigError(f"cannot serve Prometheus metrics on {host}:{port}: {exc}") from exc
+        _served[(host, port)] = True
 
 
 @dataclass
@@ -51,6 +101,10 @@ class Counters:
     discarded: int = 0
     registration_first: int = 0
     prefill_first: int = 0
+    expired: int = 0
+    refused: int = 0
+    peers_gone: int = 0
+    write_timeouts: int = 0
 
 
 class Ledger:
@@ -66,14 +120,22 @@ class Ledger:
         if metric is not None:
             metric.labels(*self.labels).inc(n)
 
-    def finished(self, ok: bool, latency_s: float | None = None) -> None:
+    def finished(self, ok: bool, latency_s: float | None = None, reason: str = "") -> None:
         self.add("ok" if ok else "failed")
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
+        if not ok:
+            FAILURES.labels(*self.labels, reason_class(reason)).inc()
         if ok and latency_s is not None:
             READY_LATENCY.labels(*self.labels).observe(latency_s)
 
     def pending(self, n: int) -> None:
         PENDING.labels(*self.labels).set(n)
+
+    def peers(self, n: int) -> None:
+        PEERS.labels(*self.labels).set(n)
+
+    def in_flight_bytes(self, n: int) -> None:
+        IN_FLIGHT_BYTES.labels(*self.labels).set(n)
 
     def snapshot(self) -> dict[str, int]:
         return {f.name: int(getattr(self.counters, f.name)) for f in fields(self.counters)}

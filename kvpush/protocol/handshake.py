@@ -7,9 +7,32 @@ prefill side answers a refused Hello with the reason, which the decode raises as
 
 from __future__ import annotations
 
-from ..errors import LayoutError
+from typing import Literal
+
+from ..errors import LayoutError, WireError
 from .layout import KVLayout, Plane, Region, check_compatible
-from .wire import Hello, LayoutWire
+from .wire import (
+    HELLO_MAC,
+    PLAIN,
+    SEALED,
+    SEQ_BYTES,
+    Codec,
+    Hello,
+    LayoutWire,
+    Message,
+    frame_name,
+    hmac_tag,
+    split_frame,
+    tags_equal,
+)
+
+# A shared key shorter than this is refused at configuration (an empty or short key is no secret).
+MIN_KEY_BYTES = 16
+REPLAY_WINDOW = 4096
+
+
+class AuthMismatch(WireError):
+    """One side holds a shared key and the other does not (or the key is wrong): the text says which."""
 
 
 def layout_to_wire(layout: KVLayout) -> LayoutWire:
@@ -54,7 +77,17 @@ def layout_from_wire(w: LayoutWire) -> KVLayout:
 
 
 def make_hello(
-    engine_id: str, role: str, agent_name: str, metadata: bytes, mem_type: str, layout: KVLayout
+    engine_id: str,
+    role: str,
+    agent_name: str,
+    metadata: bytes,
+    mem_type: str,
+    layout: KVLayout,
+    *,
+    instance: bytes = b"\0" * 16,
+    nonce: bytes = b"\0" * 16,
+    clock: float = 0.0,
+    auth: bool = False,
 ) -> Hello:
     return Hello(
         engine_id=engine_id,
@@ -64,7 +97,102 @@ def make_hello(
         mem_type=mem_type,
         compat=layout.compat_hash(),
         layout=layout_to_wire(layout),
+        instance=instance,
+        nonce=nonce,
+        clock=clock,
+        auth=auth,
     )
+
+
+# ---- authentication ------------------------------------------------------------------------------
+def hello_frame(codec: Codec, hello: Hello, key: bytes | None, echo: bytes = b"") -> bytes:
+    """A Hello as a frame: plain without a key; with one, tagged over the body and `echo` (the peer's
+    nonce when answering its Hello, so the answer cannot be a replay of an older one)."""
+    body = codec.encode(hello)
+    if key is None:
+        return bytes([PLAIN]) + body
+    return bytes([HELLO_MAC]) + body + hmac_tag(key, b"kvpush-hello", body, echo)
+
+
+def open_hello(codec: Codec, data: bytes, key: bytes | None, echo: bytes = b"") -> Hello:
+    """The Hello in a frame, its key use checked against ours. AuthMismatch names a one-sided key or a
+    wrong key; WireError anything else."""
+    flag, body, _seq, tag = split_frame(data, codec.max_bytes)
+    msg = codec.decode(body)
+    if not isinstance(msg, Hello):
+        raise WireError(f"expected a Hello, got {type(msg).__name__}")
+    if key is None and flag == HELLO_MAC:
+        raise AuthMismatch(
+            f"{msg.role} {msg.engine_id!r} authenticates with a shared key but this side has none: "
+            "set the same hmac_key on both sides"
+        )
+    if key is not None and flag == PLAIN:
+        raise AuthMismatch(
+            f"this side requires a shared key and {msg.role} {msg.engine_id!r} sent none: "
+            "set the same hmac_key on both sides"
+        )
+    if flag == SEALED:
+        raise WireError("a Hello must not be sealed")
+    if key is not None and not tags_equal(tag, hmac_tag(key, b"kvpush-hello", body, echo)):
+        raise AuthMismatch(f"Hello from {msg.role} {msg.engine_id!r} has a wrong HMAC: the keys differ")
+    return msg
+
+
+class Session:
+    """One side-channel connection's authenticated session, sans-IO.
+
+    With a shared key, the session key is HMAC(key, decode nonce, prefill nonce): both nonces are fresh
+    per connection, so a message captured on one connection fails on every other. Each direction and
+    channel ("side": the ZeroMQ connection; "notif": NIXL notifications) numbers its messages; a number
+    seen before (or older than the window) is a replay and refused. Without a key, frames are plain and
+    the endpoints bind messages to connections (and notifications to NIXL agents) themselves.
+    """
+
+    def __init__(
+        self,
+        codec: Codec,
+        key: bytes | None,
+        decode_nonce: bytes,
+        prefill_nonce: bytes,
+        local_role: Literal["prefill", "decode"],
+    ) -> None:
+        self.codec = codec
+        self.key = None if key is None else hmac_tag(key, b"kvpush-session", decode_nonce, prefill_nonce)
+        self.send_dir = b"p2d" if local_role == "prefill" else b"d2p"
+        self.recv_dir = b"d2p" if local_role == "prefill" else b"p2d"
+        self._next: dict[bytes, int] = {}
+        self._seen: dict[bytes, tuple[int, set[int]]] = {}  # channel -> (highest, seen within window)
+
+    def seal(self, msg: Message, channel: bytes = b"side") -> bytes:
+        body = self.codec.encode(msg)
+        if self.key is None:
+            return bytes([PLAIN]) + body
+        seq = self._next.get(channel, 1)
+        self._next[channel] = seq + 1
+        raw_seq = seq.to_bytes(SEQ_BYTES, "big")
+        return bytes([SEALED]) + body + raw_seq + hmac_tag(self.key, self.send_dir, channel, raw_seq, body)
+
+    def open(self, data: bytes, channel: bytes = b"side") -> Message:
+        """The message in a frame, authenticated and fresh; WireError (AuthMismatch) otherwise."""
+        flag, body, seq, tag = split_frame(data, self.codec.max_bytes)
+        if self.key is None:
+            if flag != PLAIN:
+                raise AuthMismatch(f"peer sent a {frame_name(flag)} frame but this side has no shared key")
+            return self.codec.decode(body)
+        if flag != SEALED:
+            raise AuthMismatch(f"unauthenticated {frame_name(flag)} frame on an authenticated connection")
+        raw_seq = seq.to_bytes(SEQ_BYTES, "big")
+        if not tags_equal(tag, hmac_tag(self.key, self.recv_dir, channel, raw_seq, body)):
+            raise AuthMismatch("message HMAC does not match this connection's session: forged or misrouted")
+        highest, seen = self._seen.get(channel, (0, set()))
+        if seq <= highest - REPLAY_WINDOW or seq in seen:
+            raise WireError(f"replayed message (sequence {seq} already seen on this connection)")
+        seen.add(seq)
+        if seq > highest:
+            highest = seq
+            seen = {s for s in seen if s > highest - REPLAY_WINDOW}
+        self._seen[channel] = (highest, seen)
+        return self.codec.decode(body)
 
 
 def check_peer_hello(mine: KVLayout, hello: Hello, prefill_side: bool) -> KVLayout:

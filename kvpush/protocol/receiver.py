@@ -3,8 +3,17 @@
 `expect` reserves nothing itself (the engine already allocated the blocks); it returns the registrations
 to send, one per prefill rank that owes this rank KV. Notifications are counted per expected sender; the
 request is Ready only when every one has arrived. Every attempt ends in exactly one of Ready or Failed, and
-a Failed attempt is reported only once no WRITE into its blocks can still be in flight (or its deadline
-passed), so the engine may reuse the blocks at that moment.
+a Failed attempt is reported only once no WRITE into its blocks can still land, so the engine may reuse
+the blocks at that moment.
+
+Fencing. Each registration carries an expiry (`expires_at`, the attempt's ready deadline; the endpoint
+rewrites it into the prefill's clock, conservatively). A prefill never posts a WRITE at or after it, and
+abandons a WRITE `write_timeout_s` after posting it; `write_linger_s` bounds how long an abandoned WRITE's
+bytes may still arrive. So at `fence_at = expires_at + write_timeout_s + write_linger_s` no WRITE of the
+attempt can land, whatever the prefill did or did not say. Before that, a prefill rank settles only by
+news that rules a WRITE out: its TransferDone, a TransferFailed for a rank with no WRITE in flight, or
+proof that the prefill process is gone (`on_peer_gone`). A TransferFailed that says a WRITE was abandoned
+settles the rank only at the fence. There is no fixed grace constant anywhere.
 """
 
 from __future__ import annotations
@@ -64,15 +73,18 @@ class SenderRankState(enum.Enum):
     """Where one prefill rank that owes this attempt KV stands."""
 
     EXPECTED = "expected"  # its WRITE (and notification) may still come
+    ABANDONED = "abandoned"  # it gave up on a posted WRITE: the bytes may land until the fence
     DONE = "done"  # its notification arrived: its bytes landed
-    FAILED = "failed"  # it told us it will not write (or its WRITE failed)
-    GAVE_UP = "gave_up"  # the deadline passed without news; no WRITE of it is expected any more
+    FAILED = "failed"  # it told us it will not write and has no WRITE in flight (or its WRITE failed)
+    GAVE_UP = "gave_up"  # the fence passed, or the prefill is proven gone: no WRITE of it can land
 
 
 class RecvEvent(enum.Enum):
     DONE = "done"  # TransferDone from this rank
-    FAILED = "failed"  # TransferFailed (or a refusal) from this rank
-    DEADLINE = "deadline"  # the attempt's deadline (or abort grace) passed
+    FAILED = "failed"  # TransferFailed (or a refusal) from this rank, no WRITE in flight
+    ABANDON = "abandon"  # TransferFailed saying a posted WRITE was abandoned at its timeout
+    FENCE = "fence"  # the attempt's fence passed: no WRITE of it can land any more
+    GONE = "gone"  # the prefill process is proven gone (restarted, or its agent disconnected)
 
 
 class _Ignore:
@@ -86,16 +98,29 @@ R, V = SenderRankState, RecvEvent
 RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | _Ignore] = {
     (R.EXPECTED, V.DONE): R.DONE,
     (R.EXPECTED, V.FAILED): R.FAILED,
-    (R.EXPECTED, V.DEADLINE): R.GAVE_UP,
+    (R.EXPECTED, V.ABANDON): R.ABANDONED,
+    (R.EXPECTED, V.FENCE): R.GAVE_UP,
+    (R.EXPECTED, V.GONE): R.GAVE_UP,
+    (R.ABANDONED, V.DONE): IGNORE,  # the abandoned WRITE landed after all; the attempt still fails
+    (R.ABANDONED, V.FAILED): IGNORE,
+    (R.ABANDONED, V.ABANDON): IGNORE,
+    (R.ABANDONED, V.FENCE): R.GAVE_UP,
+    (R.ABANDONED, V.GONE): R.GAVE_UP,
     (R.DONE, V.DONE): IGNORE,  # duplicate notification (discarded)
     (R.DONE, V.FAILED): IGNORE,  # its bytes landed; the attempt still ends with the failure
-    (R.DONE, V.DEADLINE): IGNORE,
+    (R.DONE, V.ABANDON): IGNORE,
+    (R.DONE, V.FENCE): IGNORE,
+    (R.DONE, V.GONE): IGNORE,
     (R.FAILED, V.DONE): IGNORE,  # late done after a failure: discarded, the attempt already ends
     (R.FAILED, V.FAILED): IGNORE,
-    (R.FAILED, V.DEADLINE): IGNORE,
+    (R.FAILED, V.ABANDON): IGNORE,
+    (R.FAILED, V.FENCE): IGNORE,
+    (R.FAILED, V.GONE): IGNORE,
     (R.GAVE_UP, V.DONE): IGNORE,
     (R.GAVE_UP, V.FAILED): IGNORE,
-    (R.GAVE_UP, V.DEADLINE): IGNORE,
+    (R.GAVE_UP, V.ABANDON): IGNORE,
+    (R.GAVE_UP, V.FENCE): IGNORE,
+    (R.GAVE_UP, V.GONE): IGNORE,
 }
 del R, V
 
@@ -116,14 +141,17 @@ class _Attempt:
     request_id: str
     attempt: int
     block_ids: tuple[int, ...]
-    deadline: float
+    deadline: float  # ready deadline, and the registrations' expiry
+    fence_at: float  # no WRITE of this attempt can land from here on
     senders: dict[int, SenderRankState]  # owed prefill rank -> its state
     phase: RecvPhase = RecvPhase.WAITING
     reason: str = ""
     nbytes: int = 0
 
     def unsettled(self) -> list[int]:
-        return sorted(p for p, st in self.senders.items() if st is SenderRankState.EXPECTED)
+        return sorted(
+            p for p, st in self.senders.items() if st in (SenderRankState.EXPECTED, SenderRankState.ABANDONED)
+        )
 
     def move(self, rank: int, event: RecvEvent) -> SenderRankState:
         """Apply event to rank; returns the state before."""
@@ -140,17 +168,23 @@ class ReceiverState:
         decode_tp: int,
         total_kv_heads: int,
         ready_timeout_s: float,
-        abort_grace_s: float = 5.0,
+        write_bound_s: float,
+        max_remembered: int = 1 << 16,
     ) -> None:
+        """write_bound_s: the prefill's WRITE timeout plus the linger of an abandoned WRITE (config)."""
         self.engine_id = engine_id
         self.rank = decode_rank
         self.tp = decode_tp
         self.total_kv_heads = total_kv_heads
         self.ready_timeout_s = ready_timeout_s
-        self.abort_grace_s = abort_grace_s
+        self.write_bound_s = write_bound_s
+        self.max_remembered = max_remembered
         self._live: dict[tuple[str, int], _Attempt] = {}
         self._current: dict[str, int] = {}  # request -> newest attempt
+        # request -> next attempt number, for requests no longer live: bounded, oldest forgotten first
+        # (a forgotten request restarts at a random-free but larger base: see _new_attempt_number)
         self._next_attempt: dict[str, int] = {}
+        self._epoch = 0  # bumps each time the memory is trimmed: keeps new attempt numbers above old ones
 
     def __len__(self) -> int:
         return len(self._live)
@@ -170,15 +204,16 @@ class ReceiverState:
         prev = self._current.get(request_id)
         if prev is not None and (request_id, prev) in self._live:
             actions += self._end(self._live[(request_id, prev)], "superseded by a newer attempt", now)
-        attempt = self._next_attempt.get(request_id, 0)
-        self._next_attempt[request_id] = attempt + 1
+        attempt = self._new_attempt_number(request_id)
         self._current[request_id] = attempt
         senders = senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads)
+        deadline = now + self.ready_timeout_s
         att = _Attempt(
             request_id,
             attempt,
             block_ids,
-            now + self.ready_timeout_s,
+            deadline,
+            deadline + self.write_bound_s,
             dict.fromkeys(senders, SenderRankState.EXPECTED),
         )
         self._live[(request_id, attempt)] = att
@@ -190,6 +225,7 @@ class ReceiverState:
             decode_tp=self.tp,
             block_ids=list(block_ids),
             num_tokens=num_tokens,
+            expires_at=deadline,  # in this side's clock; the endpoint converts it for each prefill
         )
         actions += [SendRegistration(p, reg) for p in sorted(senders)]
         return actions + self._settle(att)
@@ -215,9 +251,33 @@ class ReceiverState:
                     f"failure for unknown request {msg.request_id!r} attempt {msg.attempt}: {msg.reason}"
                 )
             ]
-        att.move(msg.prefill_rank, RecvEvent.FAILED)
+        att.move(msg.prefill_rank, RecvEvent.ABANDON if msg.abandoned else RecvEvent.FAILED)
         actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now)
         return actions + self._settle(att)
+
+    def on_peer_gone(self, prefill_rank: int, reason: str, now: float) -> list[ReceiverAction]:
+        """The prefill rank's process is proven gone (a new instance answers at its address, or its agent
+        disconnected): none of its WRITEs can land any more; every attempt it owed fails now."""
+        actions: list[ReceiverAction] = []
+        for att in list(self._live.values()):
+            if prefill_rank in att.unsettled():
+                actions += self._end(att, f"prefill rank {prefill_rank} is gone: {reason}", now)
+                att.move(prefill_rank, RecvEvent.GONE)
+                actions += self._settle(att)
+        return [a for a in actions if not (isinstance(a, SendAbort) and a.prefill_rank == prefill_rank)]
+
+    def on_peer_silent(self, prefill_rank: int, reason: str, now: float) -> list[ReceiverAction]:
+        """The prefill rank stopped answering (maybe frozen, maybe dead): its attempts end now, and their
+        blocks come back once the fence proves no WRITE can land (or the rank turns out to be gone)."""
+        actions: list[ReceiverAction] = []
+        for att in list(self._live.values()):
+            if prefill_rank in att.unsettled():
+                actions += self._end(att, f"prefill rank {prefill_rank} is silent: {reason}", now)
+        return actions
+
+    def owed_by(self, prefill_rank: int) -> int:
+        """Live attempts still waiting on this prefill rank (for liveness checks)."""
+        return sum(1 for a in self._live.values() if prefill_rank in a.unsettled())
 
     def abort(self, request_id: str, reason: str, now: float) -> list[ReceiverAction]:
         attempt = self._current.get(request_id)
@@ -234,7 +294,7 @@ class ReceiverState:
             return self.abort(request_id, reason, now)
         msg = Abort(
             request_id=request_id,
-            attempt=self._next_attempt.get(request_id, 0),
+            attempt=self._peek_attempt_number(request_id),
             decode_engine_id=self.engine_id,
             decode_rank=self.rank,
             reason=reason,
@@ -256,11 +316,30 @@ class ReceiverState:
                     f"timed out after {self.ready_timeout_s}s waiting for KV from prefill ranks {missing}",
                     now,
                 )
-            # past the deadline (or the abort grace): no sender is still expected to write
-            for rank in list(att.senders):
-                att.move(rank, RecvEvent.DEADLINE)
-            actions += self._settle(att)
+            if now >= att.fence_at:
+                # past the registrations' expiry plus the WRITE bound: no sender can still write
+                for rank in list(att.senders):
+                    att.move(rank, RecvEvent.FENCE)
+                actions += self._settle(att)
         return actions
+
+    # ---- attempt numbers ----------------------------------------------------------------------------
+    def _peek_attempt_number(self, request_id: str) -> int:
+        return max(self._next_attempt.get(request_id, 0), self._epoch)
+
+    def _new_attempt_number(self, request_id: str) -> int:
+        """Attempt numbers only grow per request. The memory of them is bounded: past max_remembered the
+        oldest half is forgotten, and every number handed out afterwards starts above any handed out
+        before (`_epoch`), so a forgotten request can never reuse an old attempt number."""
+        attempt = self._peek_attempt_number(request_id)
+        self._next_attempt.pop(request_id, None)
+        self._next_attempt[request_id] = attempt + 1
+        if len(self._next_attempt) > self.max_remembered:
+            self._epoch = max(self._epoch, *self._next_attempt.values())
+            for rid in list(self._next_attempt)[: len(self._next_attempt) // 2]:
+                if rid not in self._current:
+                    del self._next_attempt[rid]
+        return attempt
 
     def close(self, reason: str) -> list[ReceiverAction]:
         """The endpoint is going away and its memory is deregistered, so no WRITE can land any more:
@@ -276,7 +355,6 @@ class ReceiverState:
         if att.phase is RecvPhase.ENDING:
             return []
         att.phase, att.reason = RecvPhase.ENDING, reason
-        att.deadline = min(att.deadline, now + self.abort_grace_s)
         msg = Abort(
             request_id=att.request_id,
             attempt=att.attempt,

@@ -13,7 +13,11 @@ Invariants:
 - the source blocks of every prefill_done are released exactly once, and never while a WRITE from them
   may still be in flight;
 - only the newest attempt of a request is ever written; a superseded attempt's blocks are never touched;
-- duplicate registrations and duplicate prefill_done are idempotent.
+- duplicate registrations and duplicate prefill_done are idempotent;
+- no WRITE is started at or after its registration's `expires_at` (the decode frees the blocks once that
+  expiry plus the WRITE bound has passed); a registration that expires unserved fails the request;
+- a decode rank is told about every failure of a WRITE it may be waiting for, and whether the WRITE was
+  abandoned while still in flight (its bytes may still land until the decode's fence).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class NotifyFailure:
     decode_engine_id: str
     decode_rank: int
     reason: str
+    abandoned: bool = False  # a posted WRITE was given up at its timeout: its bytes may still land
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,8 @@ class SenderState:
     # ---- events -----------------------------------------------------------------------------------
     def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
         fail = self._refuse_registration(reg)
+        if not fail and now >= reg.expires_at:
+            fail = "registration arrived after its expiry: not written"
         if fail:
             return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
         tomb = self._tombstones.get(reg.request_id)
@@ -211,6 +218,11 @@ class SenderState:
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
         if entry.phase is SendPhase.ENDING:
+            current = entry.ranks.get(reg.decode_rank) if reg.attempt == entry.attempt else None
+            if current is not None and current.state in (RankState.WRITING, RankState.DONE):
+                return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
+            if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
+                return []
             return [
                 NotifyFailure(
                     reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, entry.reason
@@ -242,7 +254,7 @@ class SenderState:
         if rank.state is RankState.OWED:
             rank.reg = reg
         self._move(rank, RankEvent.REGISTER)
-        return self._advance(entry)
+        return self._advance(entry, now)
 
     def on_prefill_done(
         self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, now: float
@@ -263,17 +275,38 @@ class SenderState:
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
-        return self._advance(entry)
+        return self._advance(entry, now)
 
     def on_write_done(
-        self, request_id: str, attempt: int, decode_rank: int, ok: bool, nbytes: int, reason: str, now: float
+        self,
+        request_id: str,
+        attempt: int,
+        decode_rank: int,
+        ok: bool,
+        nbytes: int,
+        reason: str,
+        now: float,
+        abandoned: bool = False,
     ) -> list[SenderAction]:
+        """A WRITE settled: completed, failed, or (abandoned=True) given up at its timeout by the edge."""
         entry = self._entries.get(request_id)
         if entry is None:
             return []
         if (attempt, decode_rank) in entry.stale_in_flight:
             entry.stale_in_flight.discard((attempt, decode_rank))  # a superseded attempt's WRITE settled
-            return self._advance(entry)
+            told: list[SenderAction] = []
+            if not ok:  # the decode's superseded attempt waits on it: say so
+                told.append(
+                    NotifyFailure(
+                        request_id,
+                        attempt,
+                        entry.decode_engine_id,
+                        decode_rank,
+                        f"WRITE failed: {reason}",
+                        abandoned,
+                    )
+                )
+            return told + self._advance(entry, now)
         rank = entry.ranks.get(decode_rank)
         if attempt != entry.attempt or rank is None or rank.state is not RankState.WRITING:
             return []  # not a WRITE this machine started: the edge reported something twice
@@ -285,18 +318,23 @@ class SenderState:
             self._move(rank, RankEvent.WRITE_FAILED)
             actions.append(
                 NotifyFailure(
-                    request_id, attempt, entry.decode_engine_id, decode_rank, f"WRITE failed: {reason}"
+                    request_id,
+                    attempt,
+                    entry.decode_engine_id,
+                    decode_rank,
+                    f"WRITE failed: {reason}",
+                    abandoned,
                 )
             )
             actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}")
-        return actions + self._advance(entry)
+        return actions + self._advance(entry, now)
 
     def abort(self, request_id: str, reason: str, now: float) -> list[SenderAction]:
         entry = self._entries.get(request_id)
         if entry is None:
             self._tombstones.setdefault(request_id, (-1, now + self.tombstone_s))
             return []
-        return self._end(entry, reason) + self._advance(entry)
+        return self._end(entry, reason) + self._advance(entry, now)
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
@@ -309,13 +347,15 @@ class SenderState:
                 self._tombstones[msg.request_id] = (msg.attempt, now + self.tombstone_s)
             return [ack]
         if msg.attempt < entry.attempt:
-            return []
+            # a superseded attempt: nothing more is written into it; if no WRITE of it is in flight the
+            # decode may have its blocks back now (else the WRITE's outcome answers)
+            return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
         if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
             self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason), *self._advance(entry)]
+            return [ack, *self._end(entry, reason), *self._advance(entry, now)]
         rank = entry.ranks.get(msg.decode_rank)
         before = rank.state if rank is not None else None
-        actions = self._end(entry, reason) + self._advance(entry)
+        actions = self._end(entry, reason) + self._advance(entry, now)
         told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
         if not told and before not in (RankState.WRITING, RankState.DONE):
             actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
@@ -324,12 +364,16 @@ class SenderState:
     def on_tick(self, now: float) -> list[SenderAction]:
         actions: list[SenderAction] = []
         for entry in list(self._entries.values()):
+            expired = self._expire_registrations(entry, now) if entry.phase is SendPhase.OPEN else []
+            if expired:
+                actions += expired
+                continue
             if entry.phase is SendPhase.OPEN and now >= entry.deadline and not entry.writing():
                 if entry.src_blocks is None:
                     why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
                 else:
                     why = f"lease expired: no registration from decode within {self.lease_s}s"
-                actions += self._end(entry, why) + self._advance(entry)
+                actions += self._end(entry, why) + self._advance(entry, now)
             elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
                 self._finish(entry, now)  # waited long enough for a prefill_done that never came
         for rid, (_attempt, expiry) in list(self._tombstones.items()):
@@ -337,7 +381,35 @@ class SenderState:
                 del self._tombstones[rid]
         return actions
 
+    def pending_for(self, decode_engine_id: str) -> list[str]:
+        """Requests whose current attempt belongs to this decode engine (to fail them when it is gone)."""
+        return [rid for rid, e in self._entries.items() if e.decode_engine_id == decode_engine_id]
+
+    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
+        """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
+        return any(
+            e.decode_engine_id == decode_engine_id
+            and (
+                any(d == decode_rank for _a, d in e.stale_in_flight)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].state is RankState.WRITING)
+            )
+            for e in self._entries.values()
+        )
+
     # ---- internals --------------------------------------------------------------------------------
+    def _expire_registrations(self, entry: _Entry, now: float) -> list[SenderAction]:
+        """A registration whose expiry passed before its WRITE could start can never be served."""
+        for d, rank in sorted(entry.ranks.items()):
+            if rank.state is RankState.REGISTERED and rank.reg is not None and now >= rank.reg.expires_at:
+                self._move(rank, RankEvent.REFUSE)
+                why = "registration expired before prefill could write it"
+                return [
+                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, why),
+                    *self._end(entry, f"decode rank {d}'s {why}"),
+                    *self._advance(entry, now),
+                ]
+        return []
+
     @staticmethod
     def _move(rank: _Rank, event: RankEvent) -> None:
         rank.state = sender_transition(rank.state, event)
@@ -380,9 +452,13 @@ class SenderState:
                 )
         return actions
 
-    def _advance(self, entry: _Entry) -> list[SenderAction]:
+    def _advance(self, entry: _Entry, now: float) -> list[SenderAction]:
         """Start what can start, then release the source once nothing can still read it. Never recurses."""
         actions: list[SenderAction] = []
+        if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
+            expired = self._expire_registrations(entry, now)
+            if expired:
+                return expired  # it ended the entry and advanced it already
         if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
             for d, rank in sorted(entry.ranks.items()):
                 if rank.state is not RankState.REGISTERED:

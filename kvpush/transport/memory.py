@@ -204,7 +204,10 @@ class MemoryTransport:
     def send_notif(self, peer: str, msg: bytes) -> None:
         self._alive(peer)
         with self.hub.lock:
-            self.hub.agents[peer].inbox.append((self.name, msg))
+            target = self.hub.agents.get(peer)
+            if target is None:  # closed: like NIXL's disconnect error, never a bare KeyError
+                raise TransportError(f"peer {peer} is gone (closed)")
+            target.inbox.append((self.name, msg))
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
         with self.hub.lock:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpush.protocol.handshake import Session
 from kvpush.protocol.wire import WIRE_VERSION, Abort, Codec, ErrorReply, Registration, TransferDone, WireError
 
 REG = Registration(
@@ -19,6 +20,7 @@ REG = Registration(
     decode_tp=2,
     block_ids=[4, 5, 9],
     num_tokens=40,
+    expires_at=100.0,
 )
 
 
@@ -33,6 +35,7 @@ def raw(**fields):
         "decode_tp": 1,
         "block_ids": [1],
         "num_tokens": 3,
+        "expires_at": 9.0,
     }
     base.update(fields)
     return msgspec.msgpack.encode({k: v for k, v in base.items() if v is not ...})
@@ -53,7 +56,7 @@ def test_round_trip_every_kind():
     "data, needle",
     [
         (b"", "empty"),
-        (Codec().encode(REG)[:-4], "truncated"),
+        (Codec().encode(REG)[:-4], "malformed"),
         (b"\xc1\xc1\xc1", "malformed"),
         (msgspec.msgpack.encode([1, 2, 3]), "header"),
         (raw(v=99), "unsupported wire version 99"),
@@ -88,22 +91,38 @@ def test_oversized_is_refused_before_parsing():
                 decode_tp=1,
                 block_ids=list(range(100)),
                 num_tokens=5,
+                expires_at=1.0,
             )
         )
 
 
-def test_hmac_rejects_tampering_and_wrong_keys():
-    good, other = Codec(hmac_key=b"k1"), Codec(hmac_key=b"k2")
-    data = good.encode(REG)
-    assert good.decode(data) == REG
+def test_sessions_reject_tampering_wrong_keys_other_connections_and_replays():
+    key = b"0123456789abcdef-key"
+    c = Codec()
+    dec = Session(c, key, b"d" * 16, b"p" * 16, "decode")
+    pre = Session(c, key, b"d" * 16, b"p" * 16, "prefill")
+    frame = dec.seal(REG)
+    assert pre.open(frame) == REG
+    with pytest.raises(WireError, match="replayed"):
+        pre.open(frame)  # the same frame again on the same connection
+    other_conn = Session(c, key, b"d" * 16, b"q" * 16, "prefill")
     with pytest.raises(WireError, match="HMAC"):
-        other.decode(data)
-    tampered = bytearray(data)
+        other_conn.open(dec.seal(REG))  # captured here, replayed on a connection with other nonces
+    wrong_key = Session(c, b"another-key-of-16+", b"d" * 16, b"p" * 16, "prefill")
+    with pytest.raises(WireError, match="HMAC"):
+        wrong_key.open(dec.seal(REG))
+    tampered = bytearray(dec.seal(REG))
     tampered[10] ^= 1
     with pytest.raises(WireError, match="HMAC"):
-        good.decode(bytes(tampered))
+        pre.open(bytes(tampered))
+    with pytest.raises(WireError, match="HMAC"):
+        dec.open(dec.seal(REG))  # reflected back at its sender: the direction is in the tag
     with pytest.raises(WireError, match="truncated"):
-        good.decode(b"short")
+        pre.open(b"\x02short")
+    with pytest.raises(WireError, match="unauthenticated"):
+        pre.open(Session(c, None, b"d" * 16, b"p" * 16, "decode").seal(REG))
+    with pytest.raises(WireError, match="no shared key"):
+        Session(c, None, b"d" * 16, b"p" * 16, "prefill").open(dec.seal(REG))
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,0 +1,275 @@
+"""Issue 12's findings, end to end over the in-memory transport and a real ZeroMQ side channel: hostile
+frames, hijacking, one-sided keys, restarts, dead peers, slow WRITEs, floods and limits."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from kvpush.backends.host import HostKVCache
+from kvpush.config import KVPushConfig
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.errors import ConfigError, PeerRefused
+from kvpush.protocol.handshake import hello_frame
+from kvpush.protocol.layout import KVLayout
+from kvpush.protocol.wire import PLAIN, Abort, Codec, Registration
+from kvpush.transport.memory import MemoryHub, MemoryTransport
+
+GEO = dict(num_layers=2, total_kv_heads=2, head_dim=8, dtype_size=2)
+enc = msgspec.msgpack.Encoder().encode
+DEEP = b"\x83" + enc("kind") + enc("reg") + enc("v") + enc(2) + enc("x") + b"\x91" * 1000 + b"\xc0"
+FAST = dict(lease_s=2.0, ready_timeout_s=3.0, ping_interval_s=0.1, peer_timeout_s=0.6, write_linger_s=0.2)
+
+
+def caches():
+    src = HostKVCache(KVLayout(block_size=4, num_blocks=32, **GEO))
+    dst = HostKVCache(KVLayout(block_size=4, num_blocks=32, **GEO))
+    src.buffer[:] = np.random.default_rng(1).integers(0, 256, src.nbytes, dtype=np.uint8)
+    return src, dst
+
+
+def start_prefill(hub, src, name="P-agent", port=0, **cfg):
+    p = PrefillEndpoint(
+        KVPushConfig(engine_id="P", port=port, **{**FAST, **cfg}),
+        src.layout,
+        transport=MemoryTransport(name, hub),
+    )
+    p.start()
+    return p
+
+
+def start_decode(hub, dst, name="D-agent", engine="D", **cfg):
+    d = DecodeEndpoint(
+        KVPushConfig(engine_id=engine, **{**FAST, **cfg}), dst.layout, transport=MemoryTransport(name, hub)
+    )
+    d.start()
+    return d
+
+
+def wait(ep, timeout=8.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = ep.finished()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def push_ok(p, d, addr, rid, blocks=(1, 2)):
+    d.expect(rid, list(blocks), 8, addr)
+    p.prefill_done(rid, [3, 4], 8)
+    got_p, got_d = wait(p), wait(d)
+    return got_p[0], got_d[0]
+
+
+@pytest.fixture
+def world():
+    hub = MemoryHub()
+    src, dst = caches()
+    p = start_prefill(hub, src)
+    d = start_decode(hub, dst)
+    addr = PrefillAddress("P", *p.address)
+    d.connect(addr)
+    yield hub, src, dst, p, d, addr
+    d.close()
+    p.close()
+
+
+def dealer(port):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def test_a_deeply_nested_frame_on_the_side_channel_and_as_a_notification_kills_nothing(world):
+    hub, src, dst, p, d, addr = world
+    sock = dealer(addr.port)
+    for frame in (DEEP, bytes([PLAIN]) + DEEP, b"\x02" + DEEP + b"\0" * 40):
+        sock.send(frame)
+    assert sock.poll(5000)
+    hub.agents["D-agent"].inbox.append(("P-agent", bytes([PLAIN]) + DEEP))  # as a NIXL notification
+    hub.agents["D-agent"].inbox.append(("P-agent", DEEP))
+    time.sleep(0.2)
+    rp, rd = push_ok(p, d, addr, "after-bomb")
+    assert rp.ok and rd.ok, (rp, rd)
+    assert p.stats()["wire_errors"] >= 3 and d.stats()["wire_errors"] >= 2
+    sock.close()
+
+
+def test_a_third_process_cannot_hijack_register_or_abort_for_a_live_decode(world):
+    hub, src, dst, p, d, addr = world
+    MemoryTransport("evil-agent", hub)
+    sock = dealer(addr.port)
+    codec = Codec()
+    # an abort and a registration without a hello: refused, nothing happens to the live request
+    d.expect("victim", [1, 2], 8, addr)
+    time.sleep(0.1)
+    abort = Abort(request_id="victim", attempt=0, decode_engine_id="D", decode_rank=0, reason="evil")
+    sock.send(bytes([PLAIN]) + codec.encode(abort))
+    assert sock.poll(3000) and b"hello_first" in sock.recv()
+    # a hello reusing the victim's engine id with another agent: refused while the victim lives
+    evil = p._push.hello  # any valid layout; the role and identity are what matter
+    from kvpush.protocol.handshake import make_hello
+
+    forged = make_hello(
+        "D", "decode", "evil-agent", b"evil-agent", "DRAM", dst.layout, nonce=b"n" * 16, clock=1.0
+    )
+    sock.send(hello_frame(codec, forged, None))
+    assert sock.poll(3000)
+    reply = sock.recv()
+    assert b"identity_in_use" in reply, reply
+    reg = Registration(
+        request_id="victim",
+        attempt=5,
+        decode_engine_id="D",
+        decode_rank=0,
+        decode_tp=1,
+        block_ids=[9, 10],
+        num_tokens=8,
+        expires_at=1e9,
+    )
+    sock.send(bytes([PLAIN]) + codec.encode(reg))
+    assert sock.poll(3000) and b"hello_first" in sock.recv()
+    p.prefill_done("victim", [3, 4], 8)
+    rp, rd = wait(p)[0], wait(d)[0]
+    assert rp.ok and rd.ok and rd.block_ids == (1, 2)
+    assert hub.agents["evil-agent"].inbox == []  # nothing was ever sent towards the attacker
+    assert p.stats()["refused"] >= 1
+    del evil
+    sock.close()
+
+
+def test_keys_one_sided_short_or_missing_beyond_loopback_are_refused_with_a_reason():
+    with pytest.raises(ConfigError, match="at least 16"):
+        KVPushConfig(hmac_key=b"")
+    with pytest.raises(ConfigError, match="at least 16"):
+        KVPushConfig(hmac_key=b"short")
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        KVPushConfig(host="10.0.0.5").check_listen()
+    KVPushConfig(host="10.0.0.5", require_auth=False).check_listen()
+    hub = MemoryHub()
+    src, dst = caches()
+    p = start_prefill(hub, src, hmac_key=b"k" * 32)
+    d = start_decode(hub, dst)
+    try:
+        with pytest.raises(PeerRefused, match="hmac_key"):
+            d.connect(PrefillAddress("P", *p.address), timeout=5)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_with_the_same_key_on_both_sides_pushes_work():
+    hub = MemoryHub()
+    src, dst = caches()
+    key = b"a-shared-secret-of-32-bytes-long"
+    p = start_prefill(hub, src, hmac_key=key)
+    d = start_decode(hub, dst, hmac_key=key)
+    try:
+        addr = PrefillAddress("P", *p.address)
+        d.connect(addr)
+        rp, rd = push_ok(p, d, addr, "keyed")
+        assert rp.ok and rd.ok
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_prefill_restarted_on_the_same_address_is_rehandshaken_and_the_next_request_works(world):
+    hub, src, dst, p, d, addr = world
+    assert push_ok(p, d, addr, "before")[1].ok
+    p.close()
+    p2 = start_prefill(hub, src, name="P-agent-2", port=addr.port)
+    try:
+        d.expect("during", [1, 2], 8, addr)  # its registration went to the dead instance
+        got = wait(d)[0]
+        assert not got.ok and ("gone" in got.reason or "restart" in got.reason), got
+        rp, rd = push_ok(p2, d, addr, "after")
+        assert rp.ok and rd.ok, (rp, rd)
+    finally:
+        p2.close()
+
+
+def test_a_dead_prefill_fails_the_decodes_requests_within_seconds(world):
+    hub, src, dst, p, d, addr = world
+    d.expect("orphan", [1, 2], 8, addr)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    p.close()
+    got = wait(d, timeout=5)[0]
+    assert not got.ok and time.monotonic() - t0 < 3.0
+    assert "gone" in got.reason or "silent" in got.reason, got.reason
+
+
+def test_a_stuck_write_is_abandoned_and_the_decode_keeps_its_blocks_until_the_fence():
+    hub = MemoryHub()
+    src, dst = caches()
+    p = start_prefill(hub, src, write_timeout_s=0.3)
+    d = start_decode(hub, dst, write_timeout_s=0.3)
+    try:
+        addr = PrefillAddress("P", *p.address)
+        d.connect(addr)
+        hub.hold_writes = True  # the WRITE never completes (a frozen decode, a stalled link)
+        t0 = time.monotonic()
+        d.expect("stuck", [1, 2], 8, addr)
+        p.prefill_done("stuck", [3, 4], 8)
+        rp = wait(p)[0]
+        assert not rp.ok and "abandoned" in rp.reason and time.monotonic() - t0 < 2.0  # source freed
+        rd = wait(d, timeout=10)[0]
+        assert not rd.ok
+        # not before the registration's expiry plus the WRITE bound
+        assert time.monotonic() - t0 >= 3.0 + 0.3 + 0.2 - 0.1
+    finally:
+        hub.hold_writes = False
+        d.close()
+        p.close()
+
+
+def test_registrations_are_checked_against_the_handshake_and_per_peer_limits(world):
+    hub, src, dst, p, d, addr = world
+    p.close()
+    p2 = start_prefill(hub, src, name="P-agent-3", port=addr.port, max_pending_per_peer=2)
+    d.close()
+    d2 = start_decode(hub, dst, name="D-agent-2")
+    try:
+        d2.connect(addr)
+        for i in range(3):
+            d2.expect(f"r{i}", [1 + i], 4, addr)
+        got = wait(d2)
+        assert any(not r.ok and "too many pending" in r.reason for r in got), got
+        assert p2.stats()["refused"] >= 1
+    finally:
+        d2.close()
+        p2.close()
+
+
+def test_prometheus_endpoint_serves_the_metrics_the_code_updates():
+    hub = MemoryHub()
+    src, dst = caches()
+    sock = zmq.Context.instance().socket(zmq.REP)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    sock.close()
+    p = start_prefill(hub, src, metrics_port=port)
+    try:
+        s = dealer(p.address[1])
+        s.send(b"\xc1junk")
+        assert s.poll(3000)
+        s.close()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'kvpush_wire_errors_total{engine_id="P",rank="0",role="prefill"}' in body
+        for name in (
+            "kvpush_peers",
+            "kvpush_in_flight_bytes",
+            "kvpush_failures_total",
+            "kvpush_expired_total",
+        ):
+            assert name in body
+    finally:
+        p.close()
