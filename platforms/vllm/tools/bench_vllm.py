@@ -2,8 +2,10 @@
 
 One run drives the set-ups one after another on the same machine with the same workload and seed:
 repetitions alternate the order (A B C, then C B A, ...), each repetition starts its servers afresh,
-and every (QPS, input length) point sends Poisson arrivals of the same prompts. Each point writes a
-vllm-bench-compatible JSON file `<connector>_qps<q>_in<in>_out<out>_iter<i>.json`; the summary holds
+and every (QPS, input length) point is one run of vLLM's own `vllm bench serve` (random dataset:
+prompts of exactly that many tokens, the same for every set-up; Poisson arrivals). Each point's JSON
+`<connector>_qps<q>_in<in>_out<out>_iter<i>.json` is vLLM's own result file plus our extras
+(prefill_to_first_token_s from the proxy's GET /kvpush/timings, connector, calibration); the summary holds
 median TTFT/TPOT, the ratio of medians kvpush / baseline with a bootstrap 95% interval, the idle CPU
 of each set-up's process tree, and (for kvpush) the prefill-done -> decode-ready times.
 """
@@ -16,12 +18,12 @@ import os
 import random
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from . import client
 from .serve_pd import CONNECTORS, Deployment, start_pd
+from .vllm_bench import bench_serve_argv, run_bench_serve
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -115,77 +117,37 @@ def prefill_to_first_token(timings: list[dict[str, Any]]) -> list[float]:
 
 
 def run_point(
-    url: str, model: str, prompts: list[str], qps: float, out_len: int, seed: int, timeout_s: float = 600.0
+    url: str,
+    model: str,
+    input_len: int,
+    qps: float,
+    out_len: int,
+    num_prompts: int,
+    seed: int,
+    out_dir: Path,
+    name: str,
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    rng = random.Random(seed)
-    results: list[client.StreamResult | None] = [None] * len(prompts)
+    """One point driven by vLLM's own `vllm bench serve`; its result file plus our extras:
+    prefill_to_first_token_s (the proxy's clock, same instrument for every connector)."""
     proxy_timings(url)  # drop the warm-up's and earlier points' records
-    t0 = time.perf_counter()
-
-    def one(i: int) -> None:
-        results[i] = client.stream_complete(
-            url, model, prompts[i], out_len, timeout=timeout_s, request_id=f"b{seed}-{i}-{time.time_ns()}"
-        )
-
-    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-        at = 0.0
-        futs = []
-        for i in range(len(prompts)):
-            delay = at - (time.perf_counter() - t0)
-            if delay > 0:
-                time.sleep(delay)
-            futs.append(pool.submit(one, i))
-            at += rng.expovariate(qps) if qps > 0 else 0.0
-        for f in futs:
-            f.result()
-    duration = time.perf_counter() - t0
-    ok = [r for r in results if r is not None and r.ok]
-    ttfts = [r.ttft for r in ok]
-    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    itls = [x for r in ok for x in r.itl]
-    e2el = [r.latency for r in ok]
-
-    def stats(name: str, xs: list[float]) -> dict[str, float]:
-        if not xs:
-            return {
-                f"mean_{name}_ms": 0.0,
-                f"median_{name}_ms": 0.0,
-                f"std_{name}_ms": 0.0,
-                f"p99_{name}_ms": 0.0,
-            }
-        s = sorted(xs)
-        return {
-            f"mean_{name}_ms": 1000 * statistics.fmean(s),
-            f"median_{name}_ms": 1000 * statistics.median(s),
-            f"std_{name}_ms": 1000 * (statistics.pstdev(s) if len(s) > 1 else 0.0),
-            f"p99_{name}_ms": 1000 * s[min(len(s) - 1, int(0.99 * len(s)))],
-        }
-
-    out: dict[str, Any] = {
-        "date": time.strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai",
-        "model_id": model,
-        "tokenizer_id": model,
-        "num_prompts": len(prompts),
-        "request_rate": qps,
-        "burstiness": 1.0,
-        "duration": duration,
-        "completed": len(ok),
-        "failed": len(prompts) - len(ok),
-        "total_input_tokens": sum(r.prompt_tokens for r in ok),
-        "total_output_tokens": sum(r.output_tokens for r in ok),
-        "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_throughput": sum(r.output_tokens for r in ok) / duration if duration else 0.0,
-        "input_lens": [r.prompt_tokens for r in ok],
-        "output_lens": [r.output_tokens for r in ok],
-        "ttfts": ttfts,
-        "itls": [r.itl for r in ok],
-        "errors": [r.error for r in results if r is not None and not r.ok],
-        "generated_texts": [r.text if r is not None and r.ok else None for r in results],
-    }
-    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2el)):
-        out.update(stats(name, xs))
+    result = out_dir / name
+    argv = bench_serve_argv(
+        url,
+        model,
+        input_len=input_len,
+        output_len=out_len,
+        num_prompts=num_prompts,
+        request_rate=qps,
+        seed=seed,
+        result_dir=out_dir,
+        result_filename=name,
+        request_id_prefix=f"b{seed}-{time.time_ns()}-",
+    )
+    # the whole point may take num_prompts x the per-request timeout at worst; bound it anyway
+    out = run_bench_serve(argv, result, max(600.0, timeout_s * 4), out_dir / "logs" / f"{name}.log")
     out["prefill_to_first_token_s"] = prefill_to_first_token(proxy_timings(url))
+    out["load_generator"] = " ".join(argv[: argv.index("--backend")])
     return out
 
 
@@ -215,7 +177,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="comma-separated offered prefill loads (fractions of one prefill engine's capacity, measured "
         "first with a single engine); replaces --qps with a per-input-length request rate",
     )
-    parser.add_argument("--input-lens", default="1024,4096", help="comma-separated prompt lengths (words)")
+    parser.add_argument("--input-lens", default="1024,4096", help="comma-separated prompt lengths (tokens)")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--reps", type=int, default=2)
@@ -293,9 +255,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         points = [(n, float(q)) for n in in_lens for q in args.qps.split(",")]
     print("points (input tokens, QPS): " + ", ".join(f"({n}, {q:g})" for n, q in points), flush=True)
-    prompts = {
-        n: client.make_prompts(args.num_prompts, [_words_for_tokens(n)], seed=args.seed + n) for n in in_lens
-    }
     samples: dict[tuple[str, float, int], dict[str, list[float]]] = {}
     idle: dict[str, list[float]] = {}
     idle_threads: dict[str, list[float]] = {}
@@ -346,18 +305,27 @@ def run(args: argparse.Namespace) -> int:
                 for k, v in per_thread.items():
                     idle_threads.setdefault(k, []).append(v)
                 for n, q in points:
+                    name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
                     res = run_point(
-                        dep.url, model, prompts[n], q, args.output_len, args.seed + rep, args.request_timeout
+                        dep.url,
+                        model,
+                        n,
+                        q,
+                        args.output_len,
+                        args.num_prompts,
+                        args.seed + rep,
+                        out_dir,
+                        name,
+                        args.request_timeout,
                     )
                     res["connector"] = conn
                     if n in calibration:
                         res["prefill_alone_s"] = calibration[n]
                         res["offered_prefill_load"] = q * calibration[n]
-                    name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
                     (out_dir / name).write_text(json.dumps(res))
                     texts.setdefault((conn, q, n), []).append(res["generated_texts"])
                     s = samples.setdefault((conn, q, n), {"ttft": [], "tpot": [], "p2d": []})
-                    s["ttft"] += res["ttfts"]
+                    s["ttft"] += _ok_ttfts(res)
                     s["tpot"] += _tpots(res)
                     s["p2d"] += res["prefill_to_first_token_s"]
                     print(
@@ -523,6 +491,12 @@ def _extras_md(
     return "\n".join(lines) + "\n"
 
 
+def _ok_ttfts(res: dict[str, Any]) -> list[float]:
+    """TTFTs of the requests that succeeded (vLLM's result lists failed ones with an error and TTFT 0)."""
+    errors = res.get("errors") or [""] * len(res["ttfts"])
+    return [t for t, e in zip(res["ttfts"], errors, strict=False) if not e]
+
+
 def _tpots(res: dict[str, Any]) -> list[float]:
     return [sum(itl) / len(itl) for itl in res["itls"] if itl]
 
@@ -618,7 +592,7 @@ def _load_samples(
             conns.append(c)
         points.add((n, q))
         s = samples.setdefault((c, q, n), {"ttft": [], "tpot": []})
-        s["ttft"] += res["ttfts"]
+        s["ttft"] += _ok_ttfts(res)
         s["tpot"] += _tpots(res)
     order = [c for c in CONNECTORS if c in conns]
     return order, sorted(points), samples
