@@ -1,5 +1,12 @@
 # kvpush test cluster on trn1.32xlarge or trn1n.32xlarge (16x Trainium, 8 or 16 x 100 Gb/s EFA):
 # one prefill node, one decode node, one proxy/bench node, in one subnet of one AZ.
+#
+# What vLLM Neuron supports here: nothing for disaggregated serving. vLLM Neuron (Neuron SDK >= 2.31,
+# the plugin the Neuron DLAMIs ship) runs disaggregated inference on Trn2 and Trn3 only; NxDI, the older
+# engine, dropped Trn1 in SDK 2.29. So this stack is for kvpush's own demo and benchmark between the two
+# nodes (Trainium HBM over NIXL's LIBFABRIC plugin and EFA: trn1.32xlarge has two Trainium devices per
+# EFA), not for vLLM push-vs-pull runs; use the trn2 stack for those. The node set-up writes
+# KVPUSH_VLLM_NEURON=unsupported into /etc/kvpush/node.env. None of this has run on a trn1 instance.
 
 provider "aws" {
   region = var.region
