@@ -1,0 +1,134 @@
+"""CUDA event hand-off and host staging from VRAM, two processes on one GPU (run by scripts/gpu_check.sh;
+skipped where torch sees no CUDA device).
+
+The prefill (this process) queues a deliberately slow kernel (torch.cuda._sleep) on a side stream and,
+behind it on the same stream, the kernel that writes the KV pattern; then it calls prefill_done with the
+CUDA event barrier recorded on that stream while the sleep still runs. The decode (tests/gpu/_decode_peer.py,
+another process) registered its blocks first, so the push could start at once: only the barrier keeps it
+from reading the source before the pattern lands. The decode checks every destination byte (and that no
+other block changed). "vram": both caches registered with NIXL as VRAM. "staged": both registered through
+HostStaging (device -> host on the push thread after the barrier, host -> device before ready).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+PEER = Path(__file__).resolve().parent / "_decode_peer.py"
+GEOMETRY = dict(num_layers=4, block_size=16, num_blocks=64, total_kv_heads=2, head_dim=128, dtype_size=2)
+S_BLOCKS = [3, 4, 5, 9, 10, 20, 21, 40]
+D_BLOCKS = [7, 2, 3, 11, 12, 13, 30, 31]
+TOKENS = len(S_BLOCKS) * GEOMETRY["block_size"]
+SLEEP_CYCLES = 4_000_000_000  # ~2 s at H200 clocks; the test checks it is still running at hand-off
+
+
+def _peer_module() -> Any:
+    spec = importlib.util.spec_from_file_location("kvpush_gpu_decode_peer", PEER)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tail(path: Path) -> str:
+    return path.read_text()[-3000:] if path.exists() else ""
+
+
+@pytest.mark.parametrize("mode", ["vram", "staged"])
+def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Path) -> None:
+    import torch
+
+    from kvpush.backends.cuda import CudaKVCache, cuda_event_barrier
+    from kvpush.backends.staging import HostStaging
+    from kvpush.config import KVPushConfig
+    from kvpush.endpoint import PrefillEndpoint
+    from kvpush.protocol.layout import KVLayout
+
+    pattern = _peer_module().pattern
+    lay = KVLayout(**GEOMETRY)
+    src = CudaKVCache(lay)
+    # index and bytes of the pattern, built and uploaded before anything is timed
+    idx_parts, pat_parts = [], []
+    for layer in range(lay.num_layers):
+        for kv in range(lay.kv_per_layer):
+            p = src.layout.plane(layer, kv)
+            for s in S_BLOCKS:
+                start = p.offset + s * lay.block_stride
+                idx_parts.append(np.arange(start, start + lay.block_bytes, dtype=np.int64))
+                pat_parts.append(pattern(layer, kv, s, lay.block_bytes))
+    idx = torch.from_numpy(np.concatenate(idx_parts)).cuda()
+    pat = torch.from_numpy(np.concatenate(pat_parts)).cuda()
+    torch.cuda.synchronize()
+
+    staging = HostStaging(src) if mode == "staged" else None
+    cfg = KVPushConfig(engine_id="gpu-prefill", port=0, lease_s=60.0, ready_timeout_s=90.0)
+    if staging is None:
+        pe = PrefillEndpoint(cfg, src.layout, "VRAM")
+    else:
+        pe = PrefillEndpoint(cfg, staging.layout, staging.mem_type, hooks=staging)
+    pe.start()
+    peer = None
+    peer_log = tmp_path / "decode_peer.log"
+    try:
+        host, port = pe.address
+        args = dict(mode=mode, engine_id="gpu-prefill", host=host, port=port, geometry=GEOMETRY,
+                    s_blocks=S_BLOCKS, d_blocks=D_BLOCKS, tokens=TOKENS)  # fmt: skip
+        peer = subprocess.Popen(
+            [sys.executable, str(PEER), json.dumps(args)],
+            stdout=subprocess.PIPE, stderr=peer_log.open("w"), text=True, env=dict(os.environ),
+        )  # fmt: skip
+        assert peer.stdout is not None
+        line = peer.stdout.readline()
+        assert line.strip() == "EXPECTING", line + _tail(peer_log)
+        time.sleep(1.0)  # let the registration reach the prefill: the WRITE may then start at hand-off
+
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            src.tensor.index_copy_(0, idx, pat)  # the "KV" lands only after the sleep
+        written = torch.cuda.Event()
+        written.record(stream)
+        barrier = cuda_event_barrier(stream=stream)
+        t0 = time.monotonic()
+        pe.prefill_done("req", S_BLOCKS, TOKENS, kv_written=barrier)
+        handoff_s = time.monotonic() - t0
+        running_at_handoff = not written.query()
+        while not written.query():
+            time.sleep(0.0005)
+        t_written = time.time()
+
+        out, _ = peer.communicate(timeout=120)
+        assert peer.returncode == 0, _tail(peer_log)
+        result = json.loads(out.strip().splitlines()[-1])
+        sent: list[Any] = []
+        deadline = time.monotonic() + 30
+        while not sent and time.monotonic() < deadline:
+            sent = pe.finished()
+            time.sleep(0.01)
+    finally:
+        if peer is not None and peer.poll() is None:
+            peer.kill()
+            peer.wait()
+        pe.close()
+
+    assert running_at_handoff, "the slow kernel had finished before prefill_done: the test proves nothing"
+    assert handoff_s < 0.2, f"prefill_done waited {handoff_s:.3f} s (the engine thread must not wait)"
+    assert result["finished"] == [{"ok": True, "reason": ""}], result
+    assert sent and sent[0].ok, sent
+    assert result["bad_blocks"] == 0, result  # every destination byte is the pattern, nothing else changed
+    assert result["t_ready"] >= t_written - 0.05, (result["t_ready"], t_written)
+    if staging is not None:
+        per_side = TOKENS * lay.bytes_per_token
+        assert staging.stats()["bytes"] == per_side == result["staging"]["bytes"], (staging.stats(), result)
