@@ -65,7 +65,12 @@ class DecodeWorker(WorkerBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         cache = self.probe(kv_caches)
-        self.endpoint = DecodeEndpoint(self.settings.config, cache.layout, cache.mem_type)
+        self.endpoint = DecodeEndpoint(
+            self.settings.config,
+            cache.layout,
+            cache.mem_type,
+            hooks=cache.setup.hooks,  # type: ignore[arg-type]  # a TransferHooks when staged
+        )
         self.endpoint.start()
         for spec in self.settings.prefill_addresses:
             pa = PrefillAddress(spec.engine_id, spec.host, spec.port, spec.tp_size, spec.pp_size)

@@ -35,19 +35,6 @@ class _Push:
     finished_in_vllm: bool = False  # the scheduler reported it finished (its blocks wait for us)
 
 
-def wait_until_kv_written(mem_type: str) -> None:
-    """Barrier before the push thread may read this step's KV: device kernels write on a stream.
-
-    Today: host memory needs nothing; device memory synchronizes the current CUDA stream on the engine
-    thread. To be replaced by a per-backend barrier passed as prefill_done(kv_written=...), which the push
-    thread runs instead, so the engine never waits.
-    """
-    if mem_type != "DRAM":
-        import torch
-
-        torch.cuda.current_stream().synchronize()
-
-
 class PrefillWorker(WorkerBase):
     role = "prefill"
 
@@ -64,7 +51,12 @@ class PrefillWorker(WorkerBase):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         cache = self.probe(kv_caches)
-        self.endpoint = PrefillEndpoint(self.settings.config, cache.layout, cache.mem_type)
+        self.endpoint = PrefillEndpoint(
+            self.settings.config,
+            cache.layout,
+            cache.mem_type,
+            hooks=cache.setup.hooks,  # type: ignore[arg-type]  # a TransferHooks when staged
+        )
         self.endpoint.start()
         self.start_stats()
 
@@ -76,8 +68,10 @@ class PrefillWorker(WorkerBase):
         """After the forward pass: the prompt KV of meta.send is in memory now; hand it over."""
         if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send):
             return
-        if meta.send:
-            wait_until_kv_written(self.cache.mem_type)
+        # Device kernels write the KV on a stream: the backend records a marker here (CUDA: an event on
+        # the current stream; host: nothing) and the push thread waits on it before reading the blocks.
+        # One marker covers every request of this step; nothing on this thread waits for the device.
+        barrier = self.cache.kv_written_barrier() if meta.send else None
         now = time.monotonic()
         for it in meta.send:
             rec = _Push(it.req_id, it.key, now)
@@ -90,7 +84,7 @@ class PrefillWorker(WorkerBase):
             self.by_key[it.key] = rec
             self.handoffs += 1
             blocks = expand_blocks(it.block_ids, self.cache.ratio)
-            self.endpoint.prefill_done(it.key, blocks, it.num_tokens)
+            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush P %s blocks %s sums %s",
