@@ -85,3 +85,15 @@ def scrub(buffer: U8, layout: KVLayout, blocks: list[int]) -> None:
     for layer in range(layout.num_layers):
         for kv in range(layout.kv_per_layer):
             _plane_view(buffer, layout, layer, kv)[np.asarray(blocks, dtype=np.int64)] = 0
+
+
+def count_dirty_bytes(buffer: U8, layout: KVLayout, blocks: list[int]) -> int:
+    """How many bytes of these blocks are not zero: after `scrub`, any is a write that landed later."""
+    if not blocks:
+        return 0
+    idx = np.asarray(blocks, dtype=np.int64)
+    return sum(
+        int(np.count_nonzero(_plane_view(buffer, layout, layer, kv)[idx]))
+        for layer in range(layout.num_layers)
+        for kv in range(layout.kv_per_layer)
+    )
