@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.errors import ConfigError
 
 from .decode_worker import DecodeWorker
-from .params import ConnectorSettings, KVTransferParams, transfer_key
+from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
 from .prefill_worker import PrefillWorker
 from .scheduler import KVPushConnectorMetadata, SchedulerSide
 
@@ -128,7 +128,14 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None  # kvpush adapts to the backend's layout; both sides must simply agree (checked)
+        """None (adapt to the backend's layout; both sides must agree, the handshake checks) unless extra
+        config kv_cache_layout asks for a block-outermost cache, which the plan moves as one run per
+        block across all layers. Prefill and decode must be configured alike."""
+        from vllm.platforms import current_platform
+
+        ktc = vllm_config.kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
+        return required_kv_cache_layout(extra, bool(current_platform.is_cpu()))
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -96,7 +96,31 @@ _OWN_KEYS = (
     "connect_timeout_s",
     "idle_wait_ms",
     "pairing_port",
+    "kv_cache_layout",
 )
+
+# extra config "kv_cache_layout": what kvpush asks vLLM for. "auto" adapts to whatever the attention
+# backend chose (both sides must agree; the handshake checks). "block-major" asks for a block-outermost
+# cache (every layer's K and V of a block in one run), so a request moves as a few large descriptors.
+KV_CACHE_LAYOUTS = {"auto": None, "block-major": "BLHNC", "BLHNC": "BLHNC", "BLNHC": "BLNHC"}
+
+
+def required_kv_cache_layout(extra: Mapping[str, Any], platform_is_cpu: bool) -> str | None:
+    """The vLLM KV cache layout name kvpush needs, from extra config (None: no requirement)."""
+    asked = str(extra.get("kv_cache_layout") or "auto")
+    if asked not in KV_CACHE_LAYOUTS:
+        raise ConfigError(
+            f"KVPushConnector: kv_cache_layout must be one of {sorted(KV_CACHE_LAYOUTS)}, got {asked!r}"
+        )
+    layout = KV_CACHE_LAYOUTS[asked]
+    if layout is not None and platform_is_cpu:
+        raise ConfigError(
+            f"KVPushConnector: kv_cache_layout={asked!r} needs a block-outermost KV cache, which vLLM's CPU "
+            "attention backend does not support (it only runs LBHNC); use kv_cache_layout='auto' on CPU"
+        )
+    return layout
+
+
 # How long an engine with nothing to compute, waiting only on transfers, sleeps per step (a finished
 # transfer wakes it at once; a new request waits at most this long). Decode waits through whole
 # prefills; prefill only for its WRITEs to finish, and new prompts arrive there, so it naps briefly.
