@@ -65,9 +65,16 @@ class RecvResult:
     ready_at: float = 0.0
 
 
-def new_nixl_transport(config: KVPushConfig, role: str, rank: int) -> Transport:
+def new_nixl_transport(config: KVPushConfig, role: str, rank: int, mem_type: str = "DRAM") -> Transport:
+    """A NIXL agent with exactly the configured backends, each checked to support `mem_type` (the memory
+    this endpoint registers): a missing LIBFABRIC or a backend without VRAM fails here, by name."""
     prepare_environment(config.ucx_net_devices)
-    return NixlTransport(f"{config.engine_id}-{role}-{rank}-{uuid.uuid4().hex[:8]}", config.backends)
+    return NixlTransport(
+        f"{config.engine_id}-{role}-{rank}-{uuid.uuid4().hex[:8]}",
+        config.backends,
+        backend_params=config.backend_params,
+        mem_types=(mem_type,),
+    )
 
 
 class TransferHooks(Protocol):
@@ -117,7 +124,7 @@ class EndpointWorker(Worker, Generic[R]):
     def setup_transport(self) -> tuple[Transport, Hello]:
         src = self._transport_source
         if src is None:
-            transport = new_nixl_transport(self.config, self.role, self.layout.tp_rank)
+            transport = new_nixl_transport(self.config, self.role, self.layout.tp_rank, self.mem_type)
         elif callable(src) and not hasattr(src, "post_write"):
             transport = src()
         else:
