@@ -73,6 +73,10 @@ class _Conn:
     backlog: deque[bytes] = field(default_factory=deque)
     regs: dict[str, int] = field(default_factory=dict)  # pending request -> bytes of its block table
     reg_bytes: int = 0
+    # Keyed: a Hello alone binds nothing (a captured one can be replayed on any connection); the identity
+    # moves here with the first sealed message that opens, which needs the key and this session's nonces.
+    confirmed: bool = True
+    peer_layout: KVLayout | None = None
 
 
 @dataclass
@@ -241,6 +245,10 @@ class PushWorker(EndpointWorker[SendResult]):
             self._refuse(conn, "message refused: could not decode or authenticate it (see prefill log)")
             return
         c.last_heard = now
+        if not c.confirmed:
+            self._bind(c, now)  # the first sealed message that opens proves the key and this session
+            if not c.confirmed:
+                return
         if isinstance(msg, Registration):
             if self._admit_registration(c, msg):
                 self.timeline.setdefault(msg.request_id, {}).setdefault("registered", now)
@@ -304,26 +312,8 @@ class PushWorker(EndpointWorker[SendResult]):
             self._refuse(conn, str(exc), "refused")
             return
         identity = (hello.engine_id, peer_layout.tp_rank)
-        old_conn = self.bound.get(identity)
-        old = self.conns.get(old_conn) if old_conn is not None else None
-        if old is not None and old.conn != conn:
-            if not self._provably_gone(old, now):
-                self.ledger.add("refused")
-                log.warning(
-                    "kvpush prefill: decode %s rank %s is bound to a live connection; refused a new "
-                    "hello for it",
-                    ascii(hello.engine_id),
-                    peer_layout.tp_rank,
-                )
-                self._refuse(
-                    conn,
-                    f"decode {hello.engine_id!r} rank {peer_layout.tp_rank} is bound to a live "
-                    f"connection; a new hello is accepted once that one is gone (silent for "
-                    f"{self.config.peer_timeout_s}s, or its NIXL agent disconnected)",
-                    "identity_in_use",
-                )
-                return
-            self._drop_conn(old, "a new handshake replaced it", now)
+        if self._identity_in_use(conn, identity, now):
+            return
         try:
             agent = self.transport.add_peer(hello.agent_metadata)
             self.transport.connect(agent)  # at handshake, not on the first request's critical path
@@ -340,17 +330,55 @@ class PushWorker(EndpointWorker[SendResult]):
             agent,
             now,
             now,
+            confirmed=self.config.hmac_key is None,
+            peer_layout=peer_layout,
         )
         self._track(c)
-        self.bound[identity] = conn
-        peer = self.peers[identity] = _DecodePeer(agent, peer_layout)
-        owed = receivers_for(
-            self.layout.tp_rank, self.layout.tp_size, peer_layout.tp_size, self.layout.total_kv_heads
-        ).get(peer_layout.tp_rank)
-        if owed is not None:
-            self._prepare(peer, owed)  # at handshake: the first request only computes indices
+        if c.confirmed:
+            self._bind(c, now)
         reply = msgspec.structs.replace(self.hello, nonce=nonce, clock=time.monotonic())
         self._send_raw(conn, hello_frame(self.codec, reply, self.config.hmac_key, echo=hello.nonce))
+
+    def _identity_in_use(self, conn: bytes, identity: tuple[str, int], now: float) -> bool:
+        """Refuse (and say so) when the identity is bound to another live connection; an old one that is
+        provably gone is dropped."""
+        old_conn = self.bound.get(identity)
+        old = self.conns.get(old_conn) if old_conn is not None else None
+        if old is None or old.conn == conn:
+            return False
+        if self._provably_gone(old, now):
+            self._drop_conn(old, "a new handshake replaced it", now)
+            return False
+        engine, rank = identity
+        self.ledger.add("refused")
+        log.warning(
+            "kvpush prefill: decode %s rank %s is bound to a live connection; refused a new hello for it",
+            ascii(engine),
+            rank,
+        )
+        self._refuse(
+            conn,
+            f"decode {engine!r} rank {rank} is bound to a live connection; a new hello is accepted once "
+            f"that one is gone (silent for {self.config.peer_timeout_s}s, or its NIXL agent disconnected)",
+            "identity_in_use",
+        )
+        return True
+
+    def _bind(self, c: _Conn, now: float) -> None:
+        """The connection's identity is proven (unkeyed: at its Hello; keyed: at its first sealed message):
+        it is bound here, its NIXL peer and prepared lists set up, and an old connection replaced."""
+        assert c.identity is not None and c.peer_layout is not None
+        if self._identity_in_use(c.conn, c.identity, now):
+            self.conns.pop(c.conn, None)
+            return
+        c.confirmed = True
+        self.bound[c.identity] = c.conn
+        peer = self.peers[c.identity] = _DecodePeer(c.agent, c.peer_layout)
+        owed = receivers_for(
+            self.layout.tp_rank, self.layout.tp_size, c.peer_layout.tp_size, self.layout.total_kv_heads
+        ).get(c.peer_layout.tp_rank)
+        if owed is not None:
+            self._prepare(peer, owed)  # at handshake: the first request only computes indices
         self.ledger.peers(len(self.bound))
 
     def _admit_registration(self, c: _Conn, msg: Registration) -> bool:
@@ -437,7 +465,7 @@ class PushWorker(EndpointWorker[SendResult]):
         self.conns[c.conn] = c
         if len(self.conns) > MAX_CONNECTIONS:
             for old in sorted(self.conns.values(), key=lambda x: x.seen_at)[: len(self.conns) // 4]:
-                if old.identity is None:
+                if old.identity is None or self.bound.get(old.identity) != old.conn:
                     self.conns.pop(old.conn, None)
 
     def _liveness(self, now: float) -> None:
