@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvpush import DecodeEndpoint, KVLayout, KVPushConfig, PrefillAddress, PrefillEndpoint
 from kvpush.backends.host import HostKVCache
-from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.protocol.layout import KVLayout
 
 
 def main() -> int:
