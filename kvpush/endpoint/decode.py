@@ -110,6 +110,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             layout.total_kv_heads,
             config.ready_timeout_s,
             config.write_bound_s,
+            gone_linger_s=config.write_linger_s,
         )
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
         self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named

@@ -19,7 +19,7 @@ settles the rank only at the fence. There is no fixed grace constant anywhere.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import LocalProtocolError
 from .tp import senders_for
@@ -147,6 +147,8 @@ class _Attempt:
     phase: RecvPhase = RecvPhase.WAITING
     reason: str = ""
     nbytes: int = 0
+    # gone prefill rank -> when bytes it sent before it died have surely landed (see on_peer_gone)
+    lingering: dict[int, float] = field(default_factory=dict)
 
     def unsettled(self) -> list[int]:
         return sorted(
@@ -170,8 +172,11 @@ class ReceiverState:
         ready_timeout_s: float,
         write_bound_s: float,
         max_remembered: int = 1 << 16,
+        gone_linger_s: float = 0.0,
     ) -> None:
-        """write_bound_s: the prefill's WRITE timeout plus the linger of an abandoned WRITE (config)."""
+        """write_bound_s: the prefill's WRITE timeout plus the linger of an abandoned WRITE (config).
+        gone_linger_s: how long after a prefill rank is proven gone bytes it had sent may still land (the
+        config's write_linger_s)."""
         self.engine_id = engine_id
         self.rank = decode_rank
         self.tp = decode_tp
@@ -179,6 +184,7 @@ class ReceiverState:
         self.ready_timeout_s = ready_timeout_s
         self.write_bound_s = write_bound_s
         self.max_remembered = max_remembered
+        self.gone_linger_s = gone_linger_s
         self._live: dict[tuple[str, int], _Attempt] = {}
         self._current: dict[str, int] = {}  # request -> newest attempt
         # request -> next attempt number, for requests no longer live: bounded, oldest forgotten first
@@ -262,6 +268,15 @@ class ReceiverState:
         for att in list(self._live.values()):
             if prefill_rank in att.unsettled():
                 actions += self._end(att, f"prefill rank {prefill_rank} is gone: {reason}", now)
+                if self.gone_linger_s > 0:
+                    # A dead process posts nothing more, but bytes it sent before may still be landing: over
+                    # TCP, UCX emulates a PUT and our own progress writes them (found by kvpush soak). The
+                    # blocks come back once they surely have, gone_linger_s from now.
+                    if att.senders[prefill_rank] is SenderRankState.EXPECTED:
+                        att.move(prefill_rank, RecvEvent.ABANDON)
+                    until = att.lingering.get(prefill_rank, now + self.gone_linger_s)
+                    att.lingering[prefill_rank] = min(until, now + self.gone_linger_s)
+                    continue
                 att.move(prefill_rank, RecvEvent.GONE)
                 actions += self._settle(att)
         return [a for a in actions if not (isinstance(a, SendAbort) and a.prefill_rank == prefill_rank)]
@@ -307,7 +322,12 @@ class ReceiverState:
     def on_tick(self, now: float) -> list[ReceiverAction]:
         actions: list[ReceiverAction] = []
         for att in list(self._live.values()):
-            if now < att.deadline:
+            for rank, until in list(att.lingering.items()):
+                if now >= until:  # a gone rank's last bytes have landed
+                    del att.lingering[rank]
+                    att.move(rank, RecvEvent.GONE)
+                    actions += self._settle(att)
+            if now < att.deadline or (att.request_id, att.attempt) not in self._live:
                 continue
             if att.phase is RecvPhase.WAITING:
                 missing = att.unsettled()
