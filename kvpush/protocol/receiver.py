@@ -21,7 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..errors import LocalProtocolError
+from .table import IGNORE, Ignore, transition
 from .tp import senders_for
 from .wire import Abort, Registration, TransferDone, TransferFailed
 
@@ -87,15 +87,8 @@ class RecvEvent(enum.Enum):
     GONE = "gone"  # the prefill process is proven gone (restarted, or its agent disconnected)
 
 
-class _Ignore:
-    def __repr__(self) -> str:
-        return "IGNORE"
-
-
-IGNORE = _Ignore()
-
 R, V = SenderRankState, RecvEvent
-RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | _Ignore] = {
+RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | Ignore] = {
     (R.EXPECTED, V.DONE): R.DONE,
     (R.EXPECTED, V.FAILED): R.FAILED,
     (R.EXPECTED, V.ABANDON): R.ABANDONED,
@@ -126,14 +119,8 @@ del R, V
 
 
 def receiver_transition(state: SenderRankState, event: RecvEvent) -> SenderRankState:
-    """The next state, per RECEIVER_TRANSITIONS; a pair the table does not list is a LocalProtocolError."""
-    try:
-        nxt = RECEIVER_TRANSITIONS[(state, event)]
-    except KeyError:
-        raise LocalProtocolError(
-            f"receiver: event {event.value!r} is not allowed for a prefill rank in state {state.value!r}"
-        ) from None
-    return state if isinstance(nxt, _Ignore) else nxt
+    """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
+    return transition(RECEIVER_TRANSITIONS, state, event, "receiver (prefill rank)")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import LocalProtocolError
+from .table import IGNORE, Ignore, transition
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
 
@@ -93,17 +93,8 @@ class RankEvent(enum.Enum):
     END = "end"  # the request is ending (abort, lease, another rank's failure)
 
 
-class _Ignore:
-    """Table marker: the event is allowed and changes nothing (a duplicate, or news that no longer matters)."""
-
-    def __repr__(self) -> str:
-        return "IGNORE"
-
-
-IGNORE = _Ignore()
-
 S, E = RankState, RankEvent
-SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | _Ignore] = {
+SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | Ignore] = {
     (S.OWED, E.REGISTER): S.REGISTERED,
     (S.OWED, E.END): S.FAILED,
     (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
@@ -123,14 +114,8 @@ del S, E
 
 
 def sender_transition(state: RankState, event: RankEvent) -> RankState:
-    """The next state, per SENDER_TRANSITIONS; a pair the table does not list is a LocalProtocolError."""
-    try:
-        nxt = SENDER_TRANSITIONS[(state, event)]
-    except KeyError:
-        raise LocalProtocolError(
-            f"sender: event {event.value!r} is not allowed for a decode rank in state {state.value!r}"
-        ) from None
-    return state if isinstance(nxt, _Ignore) else nxt
+    """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
+    return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
 
 
 @dataclass
@@ -195,10 +180,23 @@ class SenderState:
     # ---- events -----------------------------------------------------------------------------------
     def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
         fail = self._refuse_registration(reg)
-        if not fail and now >= reg.expires_at:
-            fail = "registration arrived after its expiry: not written"
         if fail:
             return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
+        # An expired registration is refused only where it would be newly accepted: a late duplicate of
+        # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
+        expired = (
+            [
+                NotifyFailure(
+                    reg.request_id,
+                    reg.attempt,
+                    reg.decode_engine_id,
+                    reg.decode_rank,
+                    "registration arrived after its expiry: not written",
+                )
+            ]
+            if now >= reg.expires_at
+            else []
+        )
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
         if entry is None and tomb is not None:
@@ -214,6 +212,8 @@ class SenderState:
                 )
             ]
         if entry is None:
+            if expired:
+                return expired
             entry = self._entries[reg.request_id] = _Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
@@ -231,6 +231,8 @@ class SenderState:
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
+            if expired:
+                return expired  # never supersede the current attempt with one that may not be written
             self._new_attempt(
                 entry,
                 reg.attempt,
@@ -252,6 +254,8 @@ class SenderState:
                 )
             ]
         if rank.state is RankState.OWED:
+            if expired:
+                return expired
             rank.reg = reg
         self._move(rank, RankEvent.REGISTER)
         return self._advance(entry, now)
