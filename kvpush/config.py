@@ -45,6 +45,21 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_busy_poll_s: float = 1e-3
     idle_poll_s: float = 0.02
     handshake_timeout_s: float = 10.0
+    # Posting. post_workers 0: the push thread posts and polls every WRITE itself; N > 0: N posting threads
+    # share the NIXL agent (STRICT sync), each destination kept on one worker while it has WRITEs in
+    # flight (its posts stay in order). Measured on a 2-core box over UCX loopback, where the copy runs
+    # inside the post, workers do not help (docs/performance.md): the default is 0. On a 16-core host with
+    # RDMA or cuda_ipc and several decode ranks per prefill rank, start with 2-4. Whatever the mode, at
+    # most max_inflight_bytes and max_inflight_descriptors are posted and unsettled at once (a WRITE
+    # larger than either still goes when nothing else is in flight); the rest wait in one FIFO queue per
+    # destination, and destinations take turns.
+    post_workers: int = 0
+    max_inflight_bytes: int = 4 << 30
+    max_inflight_descriptors: int = 1 << 18
+    # Prefill: after posting a WRITE, tell the decode on the side channel (a Posted nudge), so the decode
+    # polls NIXL notifications at busy_poll_s without backing off until that WRITE's notification lands
+    # (with UCX the notification leaves when the prefill polls, and the decode finds it on its next poll).
+    posted_nudge: bool = True
     max_message_bytes: int = 1 << 20
     # Fencing. A registration expires at its ready deadline (expect() + ready_timeout_s); the prefill never
     # posts after that, abandons a WRITE write_timeout_s after posting it, and write_linger_s bounds how
@@ -118,7 +133,15 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             raise ConfigError(
                 f"backend_params names backends {unknown} that are not in backends {list(self.backends)}"
             )
-        for name in ("max_pending_per_peer", "max_pending_bytes_per_peer", "max_messages_per_peer_round"):
+        if not (0 <= self.post_workers <= 64):
+            raise ConfigError(f"post_workers must be in 0..64, got {self.post_workers}")
+        for name in (
+            "max_pending_per_peer",
+            "max_pending_bytes_per_peer",
+            "max_messages_per_peer_round",
+            "max_inflight_bytes",
+            "max_inflight_descriptors",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 

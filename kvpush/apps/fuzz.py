@@ -29,6 +29,7 @@ from ..protocol.wire import (
     Message,
     Ping,
     Pong,
+    Posted,
     Registration,
     TransferDone,
     TransferFailed,
@@ -60,6 +61,7 @@ def seed_messages() -> list[Message]:
         TransferFailed(request_id="req-1", attempt=3, prefill_rank=0, reason="lease", abandoned=True),
         Abort(request_id="req-1", attempt=3, decode_engine_id="dec", decode_rank=0, reason="client"),
         ErrorReply(reason="no", request_id="req-1", attempt=1, code="hello_first"),
+        Posted(request_id="req-1", attempt=3, prefill_rank=0),
         Ping(clock=3.0),
         Pong(clock=4.0),
     ]

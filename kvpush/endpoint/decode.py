@@ -56,6 +56,7 @@ from ..protocol.wire import (
     Message,
     Ping,
     Pong,
+    Posted,
     Registration,
     TransferDone,
     TransferFailed,
@@ -115,6 +116,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
         self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
+        # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
+        # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
+        self.announced: dict[tuple[str, int], float] = {}
 
     def setup(self) -> None:
         self.transport, self.hello = self.setup_transport()
@@ -132,6 +136,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
 
     def busy(self) -> bool:
         return self.state.waiting() > 0
+
+    def in_flight(self) -> bool:
+        return bool(self.announced)
 
     def tracked(self) -> int:
         return len(self.state)
@@ -151,6 +158,8 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 did = True
                 self._on_reply(peer, reply, now)
         if self.tick_due(now):
+            if self.announced:
+                self.announced = {k: t for k, t in self.announced.items() if t > now}
             self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
@@ -178,8 +187,10 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 msg.prefill_rank,
             )
         elif isinstance(msg, TransferDone):
+            self.announced.pop((msg.request_id, msg.prefill_rank), None)
             self._apply(self.state.on_done(msg, now))
         elif isinstance(msg, TransferFailed):
+            self.announced.pop((msg.request_id, msg.prefill_rank), None)
             self._apply(self.state.on_failed(msg, now))
         else:
             self.ledger.add("wire_errors")
@@ -271,6 +282,11 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self._on_hello_reply(peer, msg, now)
         elif isinstance(msg, ErrorReply):
             self._on_error_reply(peer, msg, now)
+        elif isinstance(msg, Posted) and peer.session is not None:
+            # a hint only: poll fast for that notification while the request is still waited for
+            if msg.prefill_rank == peer.rank and self.state.tracks(msg.request_id):
+                self.ledger.add("nudges")
+                self.announced[(msg.request_id, peer.rank)] = now + self.config.write_timeout_s
         elif isinstance(msg, Ping | Pong):
             self._heard(peer, msg.clock, now)
             if isinstance(msg, Ping):
@@ -410,6 +426,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
 
     def _finish(self, act: Ready | Failed) -> None:
         now = time.monotonic()
+        if self.announced:
+            for key in [k for k in self.announced if k[0] == act.request_id]:
+                del self.announced[key]
         if not self.state.tracks(act.request_id):
             self.route.pop(act.request_id, None)
         if isinstance(act, Ready) and self.hooks is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -40,11 +41,13 @@ from ..protocol.wire import (
     Message,
     Ping,
     Pong,
+    Posted,
     Registration,
     TransferDone,
     TransferFailed,
 )
 from ..transport.base import PreparedList, Transport
+from ..transport.posting import PostingPool, PostJob
 from .base import Endpoint, EndpointWorker, SendResult, TransferHooks, checked_blocks
 from .control import ControlListener, ControlPlane
 
@@ -79,12 +82,23 @@ class _Conn:
     peer_layout: KVLayout | None = None
 
 
-@dataclass
+Dest = tuple[str, int]  # (decode engine id, decode rank)
+
+
+@dataclass(eq=False)
 class _Write:
+    """A WRITE from plan to settlement: queued (its destination's FIFO), then in flight (posted on the
+    push thread, `handle`; or handed to a posting worker, `job`), then settled exactly once."""
+
     action: StartWrite
-    handle: Any
     plan: TransferPlan | IndexPlan
-    posted_at: float
+    dest: Dest
+    queued_at: float  # write_timeout_s counts from here, so a WRITE that waited is never posted late
+    post: Callable[[], Any]  # make + post; runs on the push thread or a posting worker
+    handle: Any = None
+    posted_at: float = 0.0
+    job: PostJob | None = None
+    worker: int = -1
 
 
 @dataclass
@@ -106,7 +120,9 @@ class _DecodePeer:
 # The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log: registered,
 # prefill_done, plan_built, posted, complete (the poll that saw DONE; with UCX the WRITE's notification
 # leaves inside that call, so it is also when the notification was sent).
-TIMELINE = ("registered", "prefill_done", "plan_built", "posted", "complete")
+# `made` (NIXL only): the transfer was made and its post began; on UCX loopback the copy runs inside the
+# post, so posted - made is the copy and prefill_done -> made is the per-request cost without it.
+TIMELINE = ("registered", "prefill_done", "plan_built", "made", "posted", "complete")
 
 
 class PushWorker(EndpointWorker[SendResult]):
@@ -127,7 +143,17 @@ class PushWorker(EndpointWorker[SendResult]):
             layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s, config.tombstone_s
         )
         self.peers: dict[tuple[str, int], _DecodePeer] = {}
-        self.writes: list[_Write] = []
+        self.writes: list[_Write] = []  # in flight, in posting order
+        self.queues: dict[Dest, deque[_Write]] = {}  # per destination: planned, waiting for the budget
+        self.inflight_bytes = 0
+        self.inflight_descs = 0
+        self.pool: PostingPool | None = None
+        self.pool_writes: dict[PostJob, _Write] = {}
+        self.dest_worker: dict[Dest, int] = {}  # where a destination's WRITEs in flight are
+        self.dest_flight: dict[Dest, int] = {}
+        self.worker_load: list[int] = []
+        self.nudges: list[_Write] = []  # posted this round: tell their decodes (Posted) after polling
+        self._turn = 0  # which destination queue goes first in the next dispatch
         self.prefill_done_at: dict[str, float] = {}
         self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
         self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
@@ -152,15 +178,25 @@ class PushWorker(EndpointWorker[SendResult]):
         self.bound_port = self.listener.port
         self.poller.register(self.listener.pollable, zmq.POLLIN)
         build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
+        if self.config.post_workers:
+            self.pool = PostingPool(
+                self.transport, self.config.post_workers, self.doorbell.ring, self.config.busy_poll_s
+            )
+            self.worker_load = [0] * self.config.post_workers
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
         # report every request failed so the engine frees its source blocks; nothing is leaked.
         reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
+        if self.pool is not None:
+            self.pool.close()  # workers stop and release what they hold in flight
         writes, self.writes = self.writes, []
+        writes += [w for q in self.queues.values() for w in q]
+        self.queues.clear()
         for w in writes:
-            with contextlib.suppress(TransportError):
-                self.transport.release(w.handle)
+            if w.handle is not None:
+                with contextlib.suppress(TransportError):
+                    self.transport.release(w.handle)
         self.listener.close()
         self.transport.close()
         now = time.monotonic()
@@ -176,10 +212,12 @@ class PushWorker(EndpointWorker[SendResult]):
                 self._release(act)
 
     def busy(self) -> bool:
-        return bool(self.writes)
+        # WRITEs a posting worker polls need no fast loop here: the worker rings the doorbell when one
+        # settles (and write timeouts are checked at least every tick)
+        return any(w.job is None for w in self.writes)
 
     def in_flight(self) -> bool:
-        return bool(self.writes)
+        return self.busy()
 
     def tracked(self) -> int:
         return len(self.state)
@@ -191,6 +229,8 @@ class PushWorker(EndpointWorker[SendResult]):
             before = len(self.writes)
             self._apply(self._progress_writes(now))
             did = did or len(self.writes) < before
+        if self.queues:
+            self._apply(())  # the budget may have room again
         if self.tick_due(now):
             if len(self.state):
                 # prefill expects no notifications; draining keeps UCX progressing while requests are live
@@ -199,7 +239,7 @@ class PushWorker(EndpointWorker[SendResult]):
             self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
-            self.ledger.in_flight_bytes(sum(w.plan.nbytes for w in self.writes))
+            self.ledger.in_flight_bytes(self.inflight_bytes)
         return did
 
     def _receive(self, now: float) -> bool:
@@ -526,22 +566,143 @@ class PushWorker(EndpointWorker[SendResult]):
     def _apply(self, actions: Iterable[SenderAction]) -> None:
         """Run actions and every follow-up they produce, in order, without re-entering the machine."""
         pending = deque(actions)
-        posted = False
-        while pending:
+        while True:
             while pending:
                 act = pending.popleft()
                 if isinstance(act, StartWrite):
                     pending.extend(self._start_write(act))
-                    posted = True
                 elif isinstance(act, NotifyFailure):
                     self._notify_failure(act)
                 else:
                     self._release(act)
-            if posted:
+            if not self.queues:
+                break
+            posted_inline = self._dispatch(pending)
+            if posted_inline:
                 # progress at once: a loopback copy may finish inside the post, and its notification
                 # should leave now rather than after the next loop round
-                posted = False
                 pending.extend(self._progress_writes(time.monotonic()))
+            self._send_nudges()
+            if not pending:
+                break
+
+    def _fits(self, w: _Write) -> bool:
+        """Within the in-flight budget (or nothing in flight: a WRITE over the budget still goes alone)."""
+        cfg = self.config
+        return not self.writes or (
+            self.inflight_bytes + w.plan.nbytes <= cfg.max_inflight_bytes
+            and self.inflight_descs + w.plan.num_descriptors <= cfg.max_inflight_descriptors
+        )
+
+    def _dispatch(self, follow: deque[SenderAction]) -> bool:
+        """Post queued WRITEs while the budget allows: each destination's queue in FIFO order (a head
+        that does not fit holds back its queue, never overtaken), destinations taking turns. Failures
+        go to `follow`; True if anything was posted on this thread."""
+        posted_inline = False
+        progress = True
+        while progress and self.queues:
+            progress = False
+            dests = list(self.queues)
+            k = self._turn % len(dests)
+            self._turn += 1
+            for dest in dests[k:] + dests[:k]:
+                q = self.queues.get(dest)
+                if not q or not self._fits(q[0]):
+                    continue
+                w = q.popleft()
+                if not q:
+                    del self.queues[dest]
+                progress = True
+                got = self._post(w)
+                if got is None:
+                    posted_inline = posted_inline or w.job is None
+                else:
+                    follow.extend(got)
+        return posted_inline
+
+    def _post(self, w: _Write) -> list[SenderAction] | None:
+        """Put one WRITE in flight (on this thread, or on a posting worker); None on success, else the
+        machine's answer to its failure."""
+        now = time.monotonic()
+        a = w.action
+        if now - w.queued_at >= self.config.write_timeout_s:
+            return self.state.on_write_done(
+                a.request_id,
+                a.attempt,
+                a.decode_rank,
+                False,
+                0,
+                "WRITE not posted within write_timeout_s",
+                now,
+            )
+        if self.pool is None:
+            try:
+                w.handle = w.post()
+            except TransportError as exc:
+                return self.state.on_write_done(
+                    a.request_id, a.attempt, a.decode_rank, False, 0, str(exc), now
+                )
+            w.posted_at = time.monotonic()
+            marks = self.timeline.setdefault(a.request_id, {})
+            made = getattr(self.transport, "made_at", None)
+            if callable(made) and made() is not None:
+                marks.setdefault("made", made())
+            marks.setdefault("posted", w.posted_at)
+        else:
+            flying = self.dest_flight.get(w.dest, 0)
+            if flying and w.dest in self.dest_worker:
+                worker = self.dest_worker[w.dest]  # keep the destination's posts in order on one worker
+            else:
+                worker = min(range(len(self.worker_load)), key=self.worker_load.__getitem__)
+            self.dest_worker[w.dest] = worker
+            w.worker = worker
+            w.job = PostJob(w.post, w.queued_at + self.config.write_timeout_s)
+            self.pool_writes[w.job] = w
+            self.worker_load[worker] += 1
+            self.pool.submit(w.job, worker)
+        self.writes.append(w)
+        self.dest_flight[w.dest] = self.dest_flight.get(w.dest, 0) + 1
+        self.inflight_bytes += w.plan.nbytes
+        self.inflight_descs += w.plan.num_descriptors
+        self.ledger.high("inflight_bytes_max", self.inflight_bytes)
+        self.ledger.high("inflight_descriptors_max", self.inflight_descs)
+        self.ledger.high("inflight_writes_max", len(self.writes))
+        self.ledger.add("writes")
+        self.ledger.add("descriptors", w.plan.num_descriptors)
+        self.ledger.add("blocks", w.plan.num_blocks)
+        if self.config.posted_nudge:
+            self.nudges.append(w)
+        return None
+
+    def _unflight(self, w: _Write) -> None:
+        """w leaves the in-flight set (settled or abandoned): its budget and worker slot come back."""
+        self.writes.remove(w)
+        self.inflight_bytes -= w.plan.nbytes
+        self.inflight_descs -= w.plan.num_descriptors
+        left = self.dest_flight[w.dest] - 1
+        if left:
+            self.dest_flight[w.dest] = left
+        else:
+            del self.dest_flight[w.dest]
+            self.dest_worker.pop(w.dest, None)
+        if w.job is not None:
+            self.pool_writes.pop(w.job, None)
+            self.worker_load[w.worker] -= 1
+
+    def _send_nudges(self) -> None:
+        """Posted, on the side channel, for each WRITE posted this round (after the first poll, so a
+        notification that is ready leaves first): the decode then polls fast until it lands."""
+        nudges, self.nudges = self.nudges, []
+        for w in nudges:
+            conn = self.bound.get(w.dest)
+            c = self.conns.get(conn) if conn is not None else None
+            if c is None or c.session is None:
+                continue
+            a = w.action
+            self.ledger.add("nudges")
+            self._send_sealed(
+                c, Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
+            )
 
     def _prepare(self, peer: _DecodePeer, heads: tuple[int, int]) -> _Prepared | None:
         """Prepare (once) the local and remote descriptor lists of this pair; None: this pair posts
@@ -594,22 +755,27 @@ class PushWorker(EndpointWorker[SendResult]):
             )
             t_plan = time.monotonic()
             marks.setdefault("plan_built", t_plan)
+            post: Callable[[], Any]
+            transport = self.transport
             if isinstance(plan, IndexPlan):
                 assert prep is not None
-                handle = self.transport.post_prepared(
-                    prep.local, plan.src_idx, prep.remote, plan.dst_idx, notif
-                )
+                lp, rp, si, di = prep.local, prep.remote, plan.src_idx, plan.dst_idx
+
+                def post() -> Any:
+                    return transport.post_prepared(lp, si, rp, di, notif)
             else:
                 local, remote = plan.nixl_descs()
-                handle = self.transport.post_write(peer.agent, local, remote, notif, self.mem_type)
-            marks.setdefault("posted", time.monotonic())
+                agent, mem = peer.agent, self.mem_type
+
+                def post() -> Any:
+                    return transport.post_write(agent, local, remote, notif, mem)
+
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
-                    "kvpush push %s: queued %.1f ms, plan %.1f ms, post %.1f ms, %d descriptors, %d bytes",
+                    "kvpush push %s: queued %.1f ms, plan %.1f ms, %d descriptors, %d bytes",
                     act.request_id,
                     1e3 * (now - self.prefill_done_at.get(act.request_id, now)),
                     1e3 * (t_plan - now),
-                    1e3 * (time.monotonic() - t_plan),
                     plan.num_descriptors,
                     plan.nbytes,
                 )
@@ -617,10 +783,8 @@ class PushWorker(EndpointWorker[SendResult]):
             return self.state.on_write_done(
                 act.request_id, act.attempt, act.decode_rank, False, 0, str(exc), now
             )
-        self.ledger.add("writes")
-        self.ledger.add("descriptors", plan.num_descriptors)
-        self.ledger.add("blocks", plan.num_blocks)
-        self.writes.append(_Write(act, handle, plan, now))
+        dest = (act.decode_engine_id, act.decode_rank)
+        self.queues.setdefault(dest, deque()).append(_Write(act, plan, dest, now, post))
         return []
 
     def _source_ready(self, act: StartWrite) -> None:
@@ -640,16 +804,32 @@ class PushWorker(EndpointWorker[SendResult]):
             self.staged.add(act.request_id)
 
     def _progress_writes(self, now: float) -> list[SenderAction]:
-        """Poll every WRITE in flight once; the machine's answers to the finished ones are returned."""
+        """Settle what the posting workers handed back, then poll every WRITE this thread posted once;
+        the machine's answers to the finished ones are returned (each WRITE settles exactly once)."""
         follow: list[SenderAction] = []
-        still: list[_Write] = []
-        for w in self.writes:
-            if now - w.posted_at >= self.config.write_timeout_s:
+        if self.pool is not None:
+            while True:
+                try:
+                    job = self.pool.results.get_nowait()
+                except queue.Empty:
+                    break
+                w = self.pool_writes.get(job)
+                if w is None:
+                    continue  # abandoned (and settled) here before the worker handed it back
+                self._unflight(w)
+                marks = self.timeline.setdefault(w.action.request_id, {})
+                if job.posted_at:
+                    w.posted_at = job.posted_at
+                    marks.setdefault("posted", job.posted_at)
+                follow += self._settled(w, job.state == "done", job.error, job.complete_at or now)
+        for w in list(self.writes):
+            if now - w.queued_at >= self.config.write_timeout_s:
                 follow += self._abandon(w, now)  # checked before polling: an overdue WRITE is not advanced
                 continue
+            if w.job is not None:
+                continue  # a posting worker polls it
             try:
                 if self.transport.poll(w.handle) == "PROC":
-                    still.append(w)
                     continue
                 ok, reason = True, ""
             except TransportError as exc:
@@ -658,34 +838,36 @@ class PushWorker(EndpointWorker[SendResult]):
                 self.transport.release(w.handle)
             except TransportError as exc:
                 log.warning("kvpush prefill: %s", exc)
-            nbytes = w.plan.nbytes if ok else 0
-            self.timeline.setdefault(w.action.request_id, {})["complete"] = time.monotonic()
-            if ok:
-                self.ledger.add("bytes", nbytes)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "kvpush push %s: complete %.1f ms after post (ok=%s)",
-                    w.action.request_id,
-                    1e3 * (now - w.posted_at),
-                    ok,
-                )
-            follow += self.state.on_write_done(
-                w.action.request_id,
-                w.action.attempt,
-                w.action.decode_rank,
-                ok,
-                nbytes,
-                reason,
-                time.monotonic(),
-            )
-        self.writes = still
+            self._unflight(w)
+            follow += self._settled(w, ok, reason, time.monotonic())
         return follow
 
+    def _settled(self, w: _Write, ok: bool, reason: str, at: float) -> list[SenderAction]:
+        nbytes = w.plan.nbytes if ok else 0
+        self.timeline.setdefault(w.action.request_id, {})["complete"] = at
+        if ok:
+            self.ledger.add("bytes", nbytes)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvpush push %s: complete %.1f ms after post (ok=%s)",
+                w.action.request_id,
+                1e3 * (at - (w.posted_at or w.queued_at)),
+                ok,
+            )
+        a = w.action
+        return self.state.on_write_done(
+            a.request_id, a.attempt, a.decode_rank, ok, nbytes, reason, time.monotonic()
+        )
+
     def _abandon(self, w: _Write, now: float) -> list[SenderAction]:
-        """A WRITE past write_timeout_s: release its handle and tell the machine (and so the decode) that
-        it was abandoned; the decode keeps the blocks until its fence."""
-        with contextlib.suppress(TransportError):
-            self.transport.release(w.handle)
+        """A WRITE past write_timeout_s: release its handle (or tell its worker to) and tell the machine
+        (and so the decode) that it was abandoned; the decode keeps the blocks until its fence."""
+        self._unflight(w)
+        if w.job is not None:
+            w.job.abandoned = True
+        else:
+            with contextlib.suppress(TransportError):
+                self.transport.release(w.handle)
         self.ledger.add("write_timeouts")
         a = w.action
         reason = f"WRITE not complete after {self.config.write_timeout_s}s: abandoned"

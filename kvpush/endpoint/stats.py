@@ -105,6 +105,11 @@ class Counters:
     refused: int = 0
     peers_gone: int = 0
     write_timeouts: int = 0
+    # high-water marks of the prefill's in-flight budget (config max_inflight_*), and Posted nudges
+    inflight_bytes_max: int = 0
+    inflight_descriptors_max: int = 0
+    inflight_writes_max: int = 0
+    nudges: int = 0
 
 
 class Ledger:
@@ -119,6 +124,11 @@ class Ledger:
         metric = _MIRROR.get(name)
         if metric is not None:
             metric.labels(*self.labels).inc(n)
+
+    def high(self, name: str, value: int) -> None:
+        """Raise a high-water mark (no Prometheus twin)."""
+        if value > getattr(self.counters, name):
+            setattr(self.counters, name, value)
 
     def finished(self, ok: bool, latency_s: float | None = None, reason: str = "") -> None:
         self.add("ok" if ok else "failed")

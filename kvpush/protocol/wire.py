@@ -152,6 +152,18 @@ class ErrorReply(_Msg, tag="error", frozen=True):
     code: Annotated[str, msgspec.Meta(max_length=32)] = ""
 
 
+class Posted(_Msg, tag="posted", frozen=True):
+    """Prefill -> decode on the side channel, right after a WRITE was posted: its notification is on the
+    way, so poll NIXL notifications fast until it lands (with UCX it leaves only when the prefill polls,
+    and is found only when the decode polls). A hint only: losing or ignoring it costs latency, never
+    correctness. Added within wire v2 before any v2 release (a decode without it would count it as a
+    wire error and drop it), so WIRE_VERSION stays 2."""
+
+    request_id: RequestId
+    attempt: Attempt
+    prefill_rank: Rank
+
+
 class Ping(_Msg, tag="ping", frozen=True):
     """Liveness, either way on the side channel; answered by Pong. Carries the sender's clock."""
 
@@ -162,12 +174,12 @@ class Pong(_Msg, tag="pong", frozen=True):
     clock: Clock
 
 
-Message = Hello | Registration | TransferDone | TransferFailed | Abort | ErrorReply | Ping | Pong
+Message = Hello | Registration | TransferDone | TransferFailed | Abort | ErrorReply | Posted | Ping | Pong
 
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
-_KINDS = {"hello", "reg", "done", "fail", "abort", "error", "ping", "pong"}
+_KINDS = {"hello", "reg", "done", "fail", "abort", "error", "posted", "ping", "pong"}
 
 # msgpack type bytes -> how to skip: ("fixed", n bytes after the type byte) | ("len", width of a length
 # prefix, that many bytes follow) | ("arr", width) | ("map", width)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -143,6 +144,7 @@ class NixlTransport:
         self.name = name
         self._registered: list[Any] = []
         self._lock = threading.Lock()
+        self._tls = threading.local()
 
     def register(self, regions: Sequence[Region], mem_type: str) -> None:
         descs = [(r.addr, r.nbytes, r.device_id, "") for r in regions]
@@ -229,6 +231,7 @@ class NixlTransport:
         self, local: Any, local_idx: Indices, remote: Any, remote_idx: Indices, notif: bytes
     ) -> Any:
         handle = self.make_write(local, local_idx, remote, remote_idx, notif)
+        self._tls.made_at = time.monotonic()
         try:
             self.repost(handle)
         except TransportError:
@@ -236,6 +239,12 @@ class NixlTransport:
                 self._agent.release_xfer_handle(handle)
             raise
         return handle
+
+    def made_at(self) -> float | None:
+        """When this thread's last post_prepared had made its transfer and began posting it (the
+        per-request timeline's `made`: on UCX loopback the copy runs inside the post that follows)."""
+        got: float | None = getattr(self._tls, "made_at", None)
+        return got
 
     def release_prepared(self, plist: Any) -> None:
         try:

@@ -73,6 +73,18 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip NIXL's references (a) and (b) after each wave",
     )
+    p.add_argument(
+        "--post-workers",
+        type=int,
+        default=None,
+        help="prefill posting threads (config post_workers; 0: the push thread posts; default: config's)",
+    )
+    p.add_argument(
+        "--no-nudge",
+        dest="nudge",
+        action="store_false",
+        help="prefill sends no Posted nudge after posting (config posted_nudge=False)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
 
 
@@ -174,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     d_conn, d_child = ctx.Pipe()
     p_proc = ctx.Process(
         target=prefill_main,
-        args=(p_child, p_geo, port, args.seed, args.run_blocks, args.device),
+        args=(p_child, p_geo, port, args.seed, args.run_blocks, args.device, _prefill_extra(args)),
         name="kvpush-demo-prefill",
     )
     d_proc = ctx.Process(
@@ -205,6 +217,13 @@ def run(args: argparse.Namespace) -> int:
             if proc.is_alive():
                 proc.terminate()
     return _report(args, reqs, p_stats, d_stats, console)
+
+
+def _prefill_extra(args: argparse.Namespace) -> dict[str, Any]:
+    extra: dict[str, Any] = {"posted_nudge": args.nudge}
+    if args.post_workers is not None:
+        extra["post_workers"] = args.post_workers
+    return extra
 
 
 def _raw_handshake(peers: _Peers) -> tuple[str, Any]:
@@ -327,6 +346,10 @@ def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
         "prefill_done_to_posted": [],
         "posted_to_complete": [],
         "complete_to_decode_ready": [],
+        # NIXL only: `made` is after make_prepped_xfer, before the post; on UCX loopback the copy runs
+        # inside the post, so trigger -> made is kvpush's per-request cost (plus NIXL's make) without it
+        "trigger_to_made": [],
+        "made_to_posted": [],
     }
     for r in reqs:
         t = r.timeline or {}
@@ -339,6 +362,9 @@ def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
             spans["prefill_done_to_posted"].append(1e6 * (t["posted"] - t["prefill_done"]))
         spans["posted_to_complete"].append(1e6 * (t["complete"] - t["posted"]))
         spans["complete_to_decode_ready"].append(1e6 * (r.ready_at - t["complete"]))
+        if "made" in t:
+            spans["trigger_to_made"].append(1e6 * (t["made"] - trigger))
+            spans["made_to_posted"].append(1e6 * (t["posted"] - t["made"]))
     out: dict[str, Any] = {k: _p50(v) for k, v in spans.items()}
     out["requests"] = len(spans["trigger_to_posted"])
     return out
@@ -365,6 +391,7 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
     summary = {
         "device": args.device,
         "layout": args.layout,
+        "prefill_config": _prefill_extra(args),
         "requests": len(reqs),
         "verified": verified,
         "failed": failed,
@@ -430,8 +457,9 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
     Console(width=180).print(table)
     tl = summary["timeline_p50_us"]
     console.print(
-        "per-request p50 (us): trigger -> posted {trigger_to_posted}, posted -> complete "
-        "{posted_to_complete}, complete -> decode ready {complete_to_decode_ready}".format(**tl)
+        "per-request p50 (us): trigger -> plan {trigger_to_plan_built}, -> made {trigger_to_made}, "
+        "-> posted {trigger_to_posted}, posted -> complete {posted_to_complete}, complete -> decode "
+        "ready {complete_to_decode_ready}".format(**tl)
     )
     bad = [r for r in reqs if not (r.ok and r.wrong == 0)]
     for r in bad[:5]:

@@ -76,8 +76,9 @@ class BlockAllocator:
         self.free.extend(blocks)
 
 
-def _endpoints_config(engine_id: str, port: int) -> KVPushConfig:
-    return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0)
+def _endpoints_config(engine_id: str, port: int, extra: dict[str, Any] | None = None) -> KVPushConfig:
+    """The demo's config; `extra`: settings from the demo's flags (post_workers, posted_nudge, ...)."""
+    return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0, **(extra or {}))
 
 
 class BlockMajorHostCache:
@@ -188,11 +189,19 @@ def _logging() -> None:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(processName)s %(message)s")
 
 
-def prefill_main(conn: Connection, geo: Geometry, port: int, seed: int, run: int, device: str) -> None:
+def prefill_main(
+    conn: Connection,
+    geo: Geometry,
+    port: int,
+    seed: int,
+    run: int,
+    device: str,
+    extra: dict[str, Any] | None = None,
+) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
     caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
-    cfg = _endpoints_config("demo-prefill", port)
+    cfg = _endpoints_config("demo-prefill", port, extra)
     eps = [PrefillEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
         ep.start()
