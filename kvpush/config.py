@@ -48,8 +48,9 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Posting. post_workers 0: the push thread posts and polls every WRITE itself; N > 0: N posting threads
     # share the NIXL agent (STRICT sync), each destination kept on one worker while it has WRITEs in
     # flight (its posts stay in order). Measured on a 2-core box over UCX loopback, where the copy runs
-    # inside the post, workers do not help (docs/performance.md): the default is 0. On a 16-core host with
-    # RDMA or cuda_ipc and several decode ranks per prefill rank, start with 2-4. Whatever the mode, at
+    # inside the post, workers do not help (numbers in kvpush/transport/posting.py): the default is 0.
+    # On a 16-core host with RDMA or cuda_ipc and several decode ranks per prefill rank, try 2-4 (the
+    # demo's --post-workers measures it there). Whatever the mode, at
     # most max_inflight_bytes and max_inflight_descriptors are posted and unsettled at once (a WRITE
     # larger than either still goes when nothing else is in flight); the rest wait in one FIFO queue per
     # destination, and destinations take turns.
