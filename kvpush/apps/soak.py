@@ -414,6 +414,7 @@ def attacker_main(conn: Connection, port: int, self_check_key: bytes | None) -> 
     from kvpush.protocol.wire import HELLO_MAC, PLAIN, Abort, Codec, Hello, Registration, split_frame
 
     codec = Codec()
+    self = argparse.Namespace(nonce=b"")  # the self-check Hello's nonce, for its session
     ctx = zmq.Context()
     wrong_key = os.urandom(32)
     rng = random.Random(port)
@@ -457,6 +458,7 @@ def attacker_main(conn: Connection, port: int, self_check_key: bytes | None) -> 
             if victim is None or self_check_key is None:
                 return []
             mine = msgspec.structs.replace(victim, engine_id="soak-key-holder", nonce=os.urandom(16))
+            self.nonce = mine.nonce
             return [hello_frame(codec, mine, self_check_key)]
         victim = hello_of(captured)  # hijack: a Hello naming the victim decode's engine id
         if victim is None:
@@ -483,10 +485,23 @@ def attacker_main(conn: Connection, port: int, self_check_key: bytes | None) -> 
                 if not sock.poll(50):
                     continue
                 reply = sock.recv()
-                if hello_of([reply]) is not None:
-                    accepted += 1
-                    for f in captured:  # with a session, try the victim's captured sealed frames on it
-                        sock.send(f)
+                answer = hello_of([reply])
+                if answer is None:
+                    continue
+                accepted += 1  # answered; without the key the session is useless, and binds nothing
+                for f in captured:  # try the victim's captured sealed frames on it anyway
+                    sock.send(f)
+                if kind == "self_check" and self_check_key is not None:
+                    # a key holder with an identity of its own aborts another decode's request
+                    s = Session(codec, self_check_key, self.nonce, answer.nonce, "decode")
+                    evil = Abort(
+                        request_id=rid,
+                        attempt=0,
+                        decode_engine_id="soak-key-holder",
+                        decode_rank=0,
+                        reason=MARK,
+                    )
+                    sock.send(s.seal(evil))
             sock.close()
             conn.send(("attacked", kind, len(frames), accepted))
     except (EOFError, OSError):
@@ -509,6 +524,7 @@ class _Req:
     p_reason: str = ""
     attacked: bool = False
     settled: bool = False
+    hijacked: bool = False
 
 
 @dataclass
@@ -553,6 +569,7 @@ class Soak:
         self.attacks: Counter[str] = Counter()
         self.captured: list[bytes] = []
         self.captures = 0
+        self.hello_answers = 0  # Hellos the prefill answered to the attacker (they bind nothing)
         self.examples: dict[str, str] = {}  # failure kind -> one reason in full
         self.d_history: dict[int, str] = {}  # decode block -> who returned it last, how, when
         self.t0 = time.monotonic()
@@ -666,8 +683,7 @@ class Soak:
             del self._blocks_of_prefill[rid]
             self.p_alloc.release(blocks)
             r.p_gen, r.p_reason = -1, reason
-            if MARK in reason and not r.attacked:
-                self.unauthorized += 1
+            self._hijacked(r, reason)
             self._settle(r)
         elif kind == "result" and p is self.decode:
             _, rid, ok, reason, blocks, wrong, known = msg
@@ -684,8 +700,7 @@ class Soak:
                     f"{rid} {'ok' if ok else reason[:80]} at {time.monotonic() - self.t0:.2f}s"
                 )
             self.corrupt += wrong
-            if MARK in reason:
-                self.unauthorized += 1
+            self._hijacked(r, reason)
             if key == r.last_blocks:
                 r.outcome = "completed" if ok and wrong == 0 else "failed"
                 r.reason = "" if ok and wrong == 0 else (reason or f"{wrong} wrong bytes")
@@ -700,13 +715,19 @@ class Soak:
         elif kind == "attacked":
             _, what, nframes, accepted = msg
             self.attacks[what] += nframes
-            if accepted:
-                self.unauthorized += accepted
+            if accepted:  # harmless unless it had an effect (counted where the effect shows)
+                self.hello_answers += accepted
                 self.log.append(f"attacker's {what} frames got {accepted} Hello answer(s)")
         elif kind in ("stats", "audit"):
             self.replies[(p.gen, kind)] = msg
         elif kind == "bye":
             p.bye = True
+
+    def _hijacked(self, r: _Req, reason: str) -> None:
+        """An honest request ended for the attacker's reason: its frames had an effect."""
+        if MARK in reason and not r.hijacked:
+            r.hijacked = True
+            self.unauthorized += 1
 
     def _settle(self, r: _Req) -> None:
         if r.settled or r.p_gen >= 0 or r.d_held:
@@ -799,7 +820,7 @@ class Soak:
     def attack(self, kind: str) -> None:
         assert self.decode is not None and self.attacker is not None
         self.capture()
-        live = [r for r in self.live() if r.d_held]
+        live = [r for r in self.live() if r.d_held and (kind != "self_check" or r.p_gen >= 0)]
         target = self.rng.choice(live) if live else None
         if target is not None:
             target.attacked = True
@@ -843,6 +864,9 @@ class Soak:
     def _schedule(self, n: int) -> dict[int, list[str]]:
         """Every kind at least once (spread over the run), then more at random: faults at random points."""
         out: dict[int, list[str]] = {}
+        if self.check == "unauthorized":  # self-check: a key holder's abort, a few times
+            for k in range(6):
+                out.setdefault(int(n * (0.2 + 0.1 * k)), []).append("self_check")
         if self.args.faults != "all":
             return out
         kinds = list(DRIVER_FAULTS)
@@ -900,11 +924,6 @@ class Soak:
         self.stale += end_dirty
         if self.check == "leak" and self.p_alloc.free:
             self.p_alloc.free.pop()  # self-check: the driver loses one block
-        if self.check == "unauthorized":
-            self.attack("self_check")
-            deadline = time.monotonic() + 3
-            while self.attacks["self_check"] == 0 and time.monotonic() < deadline:
-                self.pump(0.02)
         p_leak, p_dup = self._leaked(self.p_alloc, self.p_geo.num_blocks)
         d_leak, d_dup = self._leaked(self.d_alloc, self.d_geo.num_blocks)
         reqs = list(self.reqs.values())
@@ -929,6 +948,7 @@ class Soak:
             "unauthorized_accepted": self.unauthorized,
             "faults_injected": {k: self.faults.get(k, 0) for k in FAULT_KINDS},
             "attacker_frames_sent": dict(self.attacks),
+            "attacker_hello_answers": self.hello_answers,
             "restarts": {"prefill": self.gens["prefill"] - 1, "decode": self.gens["decode"] - 1},
             "endpoint_pending_at_end": {"prefill": p_pending, "decode": d_pending},
             "prefill_stats": p_stats,
@@ -960,6 +980,7 @@ def _reason_kind(reason: str) -> str:
     """A failure reason's kind, for the report (reasons carry ids and numbers; kinds do not)."""
     text = reason.lower()
     for kind, words in (
+        ("attacker", (MARK,)),
         ("process_killed", ("process killed",)),
         ("aborted_by_decode", ("aborted by the decode",)),
         ("aborted_by_prefill", ("aborted by the prefill",)),

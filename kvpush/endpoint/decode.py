@@ -338,6 +338,10 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             # a new process answers at the old one's address: the old one is gone, and so are its WRITEs
             self.ledger.add("peers_gone")
             self._apply(self.state.on_peer_gone(peer.rank, "it restarted (a new instance answered)", now))
+            # on_peer_gone ended every attempt this rank owed, those still waiting for this handshake
+            # too: their registrations must not go out now, or the new instance would write blocks that
+            # come back to the engine as failed (found by kvpush soak as stale writes after a restart)
+            peer.backlog = []
         if peer.hello is not None:
             self.by_agent.pop(peer.hello.agent_name, None)
         peer.hello, peer.error, peer.instance = msg, "", msg.instance
