@@ -184,7 +184,7 @@ class SenderState:
             return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
         # An expired registration is refused only where it would be newly accepted: a late duplicate of
         # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
-        expired = (
+        expired: list[SenderAction] = (
             [
                 NotifyFailure(
                     reg.request_id,
