@@ -11,9 +11,10 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..errors import PeerGone
 from ..protocol.layout import Region
 from .base import Descs, Indices, Rows, TransportError, XferState
 
@@ -78,6 +79,24 @@ def load_hint(backend: str) -> str:
     return ""
 
 
+# NIXL's typed exceptions (nixl._bindings) that mean the remote agent is gone, by class name, so this
+# module imports without NIXL installed.
+_PEER_GONE_ERRORS = frozenset({"nixlRemoteDisconnectError"})
+
+
+@contextlib.contextmanager
+def nixl_errors(what: str) -> Iterator[None]:
+    """The one place NIXL's exceptions become kvpush's: `PeerGone` for a disconnected remote agent,
+    `TransportError` for everything else, each with `what` failed and NIXL's own message."""
+    try:
+        yield
+    except TransportError:
+        raise
+    except Exception as exc:
+        kind = PeerGone if type(exc).__name__ in _PEER_GONE_ERRORS else TransportError
+        raise kind(f"{what}: {exc}") from exc
+
+
 def _seg(mem_type: str) -> str:
     """'VRAM' and 'VRAM_SEG' name the same memory type (the bindings report the _SEG form)."""
     return mem_type.upper().removesuffix("_SEG")
@@ -122,12 +141,8 @@ class NixlTransport:
             backends=[],  # created one by one below, so a missing plugin is an error, not a warning
             sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        try:
+        with nixl_errors(f"could not create NIXL agent {name!r} with backends {list(chosen)}"):
             self._agent: Any = nixl_agent(name, config)
-        except Exception as exc:
-            raise TransportError(
-                f"could not create NIXL agent {name!r} with backends {list(chosen)}: {exc}"
-            ) from exc
         for backend in chosen:
             if backend not in self._agent.get_plugin_list():
                 check_backend(self._agent, backend, mem_types)  # raises, naming the missing plugin
@@ -148,44 +163,32 @@ class NixlTransport:
 
     def register(self, regions: Sequence[Region], mem_type: str) -> None:
         descs = [(r.addr, r.nbytes, r.device_id, "") for r in regions]
-        try:
+        with nixl_errors(f"NIXL could not register {len(descs)} {mem_type} region(s)"):
             self._registered.append(self._agent.register_memory(descs, mem_type))
-        except Exception as exc:
-            raise TransportError(f"NIXL could not register {len(descs)} {mem_type} region(s): {exc}") from exc
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
-        try:
+        with nixl_errors("NIXL refused a peer's metadata"):
             name = self._agent.add_remote_agent(metadata)
-        except Exception as exc:
-            raise TransportError(f"NIXL refused a peer's metadata: {exc}") from exc
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def connect(self, peer: str) -> None:
         """Open the connection now, so the first request does not pay for it."""
-        try:
+        with nixl_errors(f"NIXL could not connect to {peer!r}"):
             self._agent.make_connection(peer)
-        except Exception as exc:
-            raise TransportError(f"NIXL could not connect to {peer!r}: {exc}") from exc
 
     def remove_peer(self, peer: str) -> None:
-        try:
+        with nixl_errors(f"NIXL could not remove peer {peer!r}"):
             self._agent.remove_remote_agent(peer)
-        except Exception as exc:
-            raise TransportError(f"NIXL could not remove peer {peer!r}: {exc}") from exc
 
     def _post(self, op: str, peer: str, local: Descs, remote: Descs, notif: bytes, mem_type: str) -> Any:
-        try:
+        with nixl_errors(f"NIXL {op} to {peer!r} ({local.shape[0]} descriptors) failed to post"):
             ldl = self._agent.get_xfer_descs(local, mem_type)
             rdl = self._agent.get_xfer_descs(remote, mem_type)
             handle = self._agent.initialize_xfer(op, ldl, rdl, peer, notif)
             state = self._agent.transfer(handle)
-        except Exception as exc:
-            raise TransportError(
-                f"NIXL {op} to {peer!r} ({local.shape[0]} descriptors) failed to post: {exc}"
-            ) from exc
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
             raise TransportError(f"NIXL {op} to {peer!r} returned ERR when posted")
@@ -199,31 +202,23 @@ class NixlTransport:
         """prep_xfer_dlist over N x 3 or N x 5 (strided) rows; the strided form keeps a whole plane of a
         large cache in one row instead of one descriptor per block."""
         who = "NIXL_INIT_AGENT" if peer is None else peer
-        try:
+        with nixl_errors(
+            f"NIXL could not prepare a {rows.shape[0]}-row descriptor list for "
+            f"{'local memory' if peer is None else repr(peer)}"
+        ):
             return self._agent.prep_xfer_dlist(who, rows, mem_type)
-        except Exception as exc:
-            raise TransportError(
-                f"NIXL could not prepare a {rows.shape[0]}-row descriptor list for "
-                f"{'local memory' if peer is None else repr(peer)}: {exc}"
-            ) from exc
 
     def make_write(
         self, local: Any, local_idx: Indices, remote: Any, remote_idx: Indices, notif: bytes
     ) -> Any:
-        try:
+        with nixl_errors(f"NIXL could not make a WRITE of {local_idx.shape[0]} indices"):
             return self._agent.make_prepped_xfer(
                 "WRITE", local, local_idx, remote, remote_idx, notif_msg=notif
             )
-        except Exception as exc:
-            raise TransportError(
-                f"NIXL could not make a WRITE of {local_idx.shape[0]} indices: {exc}"
-            ) from exc
 
     def repost(self, handle: Any, notif: bytes | None = None) -> None:
-        try:
+        with nixl_errors("NIXL WRITE failed to post"):
             state = self._agent.transfer(handle) if notif is None else self._agent.transfer(handle, notif)
-        except Exception as exc:
-            raise TransportError(f"NIXL WRITE failed to post: {exc}") from exc
         if state == "ERR":
             raise TransportError("NIXL WRITE returned ERR when posted")
 
@@ -247,37 +242,27 @@ class NixlTransport:
         return got
 
     def release_prepared(self, plist: Any) -> None:
-        try:
+        with nixl_errors("NIXL could not release a prepared descriptor list"):
             self._agent.release_dlist_handle(plist)
-        except Exception as exc:
-            raise TransportError(f"NIXL could not release a prepared descriptor list: {exc}") from exc
 
     def poll(self, handle: Any) -> XferState:
-        try:
+        with nixl_errors("NIXL transfer failed"):
             state = self._agent.check_xfer_state(handle)
-        except Exception as exc:
-            raise TransportError(f"NIXL transfer failed: {exc}") from exc
         if state == "ERR":
             raise TransportError("NIXL transfer ended in ERR (peer gone or memory invalid)")
         return "DONE" if state == "DONE" else "PROC"
 
     def release(self, handle: Any) -> None:
-        try:
+        with nixl_errors("NIXL could not release a transfer handle"):
             self._agent.release_xfer_handle(handle)
-        except Exception as exc:
-            raise TransportError(f"NIXL could not release a transfer handle: {exc}") from exc
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        try:
+        with nixl_errors(f"NIXL notification to {peer!r} failed"):
             self._agent.send_notif(peer, msg)
-        except Exception as exc:
-            raise TransportError(f"NIXL notification to {peer!r} failed: {exc}") from exc
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
-        try:
+        with nixl_errors("NIXL could not read notifications"):
             got = self._agent.get_new_notifs()
-        except Exception as exc:
-            raise TransportError(f"NIXL could not read notifications: {exc}") from exc
         out: list[tuple[str, bytes]] = []
         for peer, msgs in got.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
