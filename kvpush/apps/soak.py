@@ -245,6 +245,9 @@ class _TapChannel:
     def recv(self) -> bytes | None:
         return self.inner.recv()
 
+    def peer_closed(self) -> bool:
+        return self.inner.peer_closed()
+
     def close(self) -> None:
         self.inner.close()
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import TransportError
 
@@ -51,6 +52,14 @@ class ControlChannel(Protocol):
 
     def send(self, data: bytes) -> None: ...
     def recv(self) -> bytes | None: ...
+
+    def peer_closed(self) -> bool:
+        """True once the other side closed an established connection since we connected: proof that the
+        prefill process (or its endpoint) is gone, since a killed process's kernel closes its sockets. A
+        frozen (SIGSTOPped) process keeps them open, and a peer that never answered proves nothing: both
+        stay False. Never blocks."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -98,12 +107,23 @@ class _ZmqListener:
 
 
 class _ZmqChannel:
+    # A DISCONNECTED counts only after a completed ZMTP handshake: libzmq also reports one when a handshake
+    # times out (handshake_ivl), which is what a frozen prefill's kernel-accepted connection does
+    _EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
     def __init__(self, ctx: zmq.Context[Any], host: str, port: int, max_bytes: int) -> None:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        try:
+            monitor = sock.get_monitor_socket(self._EVENTS)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise TransportError(f"side channel cannot monitor its connection: {exc}") from exc
+        monitor.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{host}:{port}")
-        self.sock, self.pollable = sock, sock
+        self.sock, self.monitor, self.pollable = sock, monitor, sock
+        self._established = self._closed = False
 
     def send(self, data: bytes) -> None:
         try:
@@ -117,7 +137,22 @@ class _ZmqChannel:
         except zmq.Again:
             return None
 
+    def peer_closed(self) -> bool:
+        while not self._closed and not self.monitor.closed:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.ZMQError:  # zmq.Again: nothing more to read
+                break
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._established = True
+            elif event == zmq.EVENT_DISCONNECTED and self._established:
+                self._closed = True
+        return self._closed
+
     def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()
 
 
@@ -212,17 +247,26 @@ class _MemoryChannel:
         self.plane, self.address, self.conn = plane, (host, port), conn
         self.inbox = _Inbox()
         self.pollable = self.inbox.bell.read_fd
+        self.peer: _MemoryListener | None = None  # the listener this connection reached, once it has
+        self.closed_seen = False
 
     def send(self, data: bytes) -> None:
         listener = self.plane.listeners.get(self.address)
         if listener is None:
             return  # like TCP to a closed port: nobody answers, the endpoint's timeouts decide
+        if self.peer_closed() or self.peer is None:
+            self.peer = listener  # a restarted listener is reached again, like a DEALER's reconnect
         listener.conns[self.conn] = self
         listener.inbox.put((self.conn, data), self.plane.lock)
 
     def recv(self) -> bytes | None:
         data: bytes | None = self.inbox.get(self.plane.lock)
         return data
+
+    def peer_closed(self) -> bool:
+        if self.peer is not None and self.peer.inbox.closed:
+            self.closed_seen = True  # like the DEALER's monitor: once seen, a reconnect does not undo it
+        return self.closed_seen
 
     def close(self) -> None:
         self.inbox.closed = True

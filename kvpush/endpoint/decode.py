@@ -208,25 +208,18 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             heard = max(peer.last_heard, peer.connected_at)
             if now - heard < cfg.peer_timeout_s:
                 continue
-            gone = self._agent_gone(peer)
             why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
                 self.ledger.add("peers_gone")
-                if gone:
-                    self._apply(self.state.on_peer_gone(peer.rank, f"its NIXL agent is gone; {why}", now))
+                if peer.channel.peer_closed():
+                    why = f"it closed the side channel; {why}"
+                    self._apply(self.state.on_peer_gone(peer.rank, why, now))
                 else:
+                    # silence proves nothing: a frozen (SIGSTOPped) prefill answers nothing, and its NIXL
+                    # agent refuses notifications, yet its WRITE in flight lands once it resumes (kvpush
+                    # soak: stale writes when a refused notification counted as death). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
             self._reconnect(peer, now)
-
-    def _agent_gone(self, peer: _PrefillPeer) -> bool:
-        """Proof that the prefill process is gone: its NIXL agent refuses a notification."""
-        if peer.hello is None:
-            return False
-        try:
-            self.transport.send_notif(peer.hello.agent_name, b"")
-        except TransportError:
-            return True
-        return False
 
     def _reconnect(self, peer: _PrefillPeer, now: float) -> None:
         """A fresh connection and Hello: finds a restarted prefill (a new instance) or a resumed one."""

@@ -84,7 +84,7 @@ class RecvEvent(enum.Enum):
     FAILED = "failed"  # TransferFailed (or a refusal) from this rank, no WRITE in flight
     ABANDON = "abandon"  # TransferFailed saying a posted WRITE was abandoned at its timeout
     FENCE = "fence"  # the attempt's fence passed: no WRITE of it can land any more
-    GONE = "gone"  # the prefill process is proven gone (restarted, or its agent disconnected)
+    GONE = "gone"  # the prefill process is proven gone (restarted, or it closed its side channel)
 
 
 R, V = SenderRankState, RecvEvent
@@ -249,8 +249,8 @@ class ReceiverState:
         return actions + self._settle(att)
 
     def on_peer_gone(self, prefill_rank: int, reason: str, now: float) -> list[ReceiverAction]:
-        """The prefill rank's process is proven gone (a new instance answers at its address, or its agent
-        disconnected): none of its WRITEs can land any more; every attempt it owed fails now."""
+        """The prefill rank's process is proven gone (a new instance answers at its address, or it closed its
+        side channel): none of its WRITEs can land any more; every attempt it owed fails now."""
         actions: list[ReceiverAction] = []
         for att in list(self._live.values()):
             if prefill_rank in att.unsettled():

@@ -3,6 +3,7 @@ frames, hijacking, one-sided keys, restarts, dead peers, slow WRITEs, floods and
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 
@@ -13,8 +14,9 @@ import zmq
 
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.errors import ConfigError, PeerRefused
+from kvpush.endpoint import DecodeEndpoint, MemoryControl, PrefillAddress, PrefillEndpoint
+from kvpush.endpoint.control import ZmqControl
+from kvpush.errors import ConfigError, PeerGone, PeerRefused
 from kvpush.protocol.handshake import hello_frame
 from kvpush.protocol.layout import KVLayout
 from kvpush.protocol.wire import PLAIN, Abort, Codec, Registration
@@ -206,6 +208,74 @@ def test_a_dead_prefill_fails_the_decodes_requests_within_seconds(world):
     got = wait(d, timeout=5)[0]
     assert not got.ok and time.monotonic() - t0 < 3.0
     assert "gone" in got.reason or "silent" in got.reason, got.reason
+
+
+class _RefusingTransport(MemoryTransport):
+    """A decode agent whose notifications a frozen prefill's agent refuses (as NIXL's does)."""
+
+    refuse = False
+
+    def send_notif(self, peer, msg):
+        if self.refuse:
+            raise PeerGone(f"peer {peer} does not answer (frozen)")
+        super().send_notif(peer, msg)
+
+
+def test_a_frozen_prefill_keeps_the_decodes_blocks_until_the_fence():
+    # kvpush soak: a SIGSTOPped prefill refuses NIXL notifications, which counted as proof of death; its
+    # requests' blocks came back after peer_timeout_s + linger and its WRITE landed in them on SIGCONT.
+    # Frozen here: its worker thread is stuck, its side-channel connection stays open.
+    hub = MemoryHub()
+    src, dst = caches()
+    fast = dict(lease_s=1.0, ready_timeout_s=1.5, write_timeout_s=0.3, write_linger_s=0.2)
+    p = start_prefill(hub, src, **fast)
+    transport = _RefusingTransport("D-agent", hub)
+    d = DecodeEndpoint(KVPushConfig(engine_id="D", **{**FAST, **fast}), dst.layout, transport=transport)
+    d.start()
+    thaw = threading.Event()
+    try:
+        addr = PrefillAddress("P", *p.address)
+        d.connect(addr)
+        p._push.submit(lambda: thaw.wait(30))  # the prefill freezes: it answers nothing from here on
+        transport.refuse = True
+        t0 = time.monotonic()
+        d.expect("frozen", [1, 2], 8, addr)
+        got = wait(d, timeout=10)[0]
+        elapsed = time.monotonic() - t0
+        assert not got.ok and "silent" in got.reason, got.reason
+        # not after peer_timeout_s + linger (0.8 s): at the fence, expiry + write_timeout_s + write_linger_s
+        assert elapsed >= 1.5 + 0.3 + 0.2 - 0.05, (elapsed, got.reason)
+    finally:
+        thaw.set()
+        d.close()
+        p.close()
+
+
+def test_the_control_planes_tell_a_closed_peer_from_a_silent_one():
+    for plane in (MemoryControl(), ZmqControl()):
+        listener = plane.listen("127.0.0.1", 0, 1 << 16)
+        never = plane.connect(
+            "127.0.0.1", listener.port + 1 if isinstance(plane, MemoryControl) else 1, 1 << 16
+        )
+        chan = plane.connect("127.0.0.1", listener.port, 1 << 16)
+        try:
+            chan.send(b"hello")
+            deadline = time.monotonic() + 5
+            while listener.recv() is None:  # connected: the listener has our message
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            time.sleep(0.1)
+            assert not chan.peer_closed()  # connected, unanswered: silence is not a close
+            never.send(b"x")
+            assert not never.peer_closed()  # a peer never reached proves nothing
+            listener.close()
+            while not chan.peer_closed():
+                assert time.monotonic() < deadline, plane
+                time.sleep(0.005)
+            assert chan.peer_closed()  # and it stays so
+        finally:
+            chan.close()
+            never.close()
 
 
 def test_a_stuck_write_is_abandoned_and_the_decode_keeps_its_blocks_until_the_fence():
