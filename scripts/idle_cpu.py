@@ -16,6 +16,7 @@ import time
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+from kvpush.apps.procstat import thread_run_ns
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
@@ -23,9 +24,10 @@ from kvpush.protocol.layout import KVLayout
 
 
 def thread_cpu_ns(tid: int) -> int:
-    """Nanoseconds the thread has run (schedstat: exact, unlike the tick-sampled utime/stime)."""
-    with open(f"/proc/self/task/{tid}/schedstat") as f:
-        return int(f.read().split()[0])
+    ns = thread_run_ns("self", tid)
+    if ns is None:
+        raise RuntimeError(f"thread {tid} is gone")
+    return ns
 
 
 def main() -> int:

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.apps.procstat import thread_run_ns
+
 from . import client
 from .serve_pd import CONNECTORS, Deployment, start_pd
 from .vllm_bench import bench_serve_argv, run_bench_serve
@@ -54,10 +56,7 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 
 def _thread_ns(pid: int, tid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-    except (OSError, IndexError, ValueError):
-        return None
+    return thread_run_ns(pid, tid)
 
 
 def kvpush_threads(stats_dir: Path) -> dict[str, tuple[int, int]]:
