@@ -14,9 +14,11 @@ anything but TransportError.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -72,6 +74,23 @@ class ControlPlane(Protocol):
 
 
 # ---- ZeroMQ ------------------------------------------------------------------------------------------
+REBIND_WAIT_S = 2.0  # how long a listener retries an address still held by the one it replaces
+
+
+def _bind_retrying(sock: zmq.Socket[Any], address: str) -> None:
+    """Bind, retrying EADDRINUSE briefly: ZeroMQ closes sockets asynchronously, so an endpoint restarted
+    on its own port (in-process, or a process restarted at once) may find the old socket still there."""
+    deadline = time.monotonic() + REBIND_WAIT_S
+    while True:
+        try:
+            sock.bind(address)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 class _ZmqListener:
     def __init__(self, ctx: zmq.Context[Any], host: str, port: int, max_bytes: int) -> None:
         sock = ctx.socket(zmq.ROUTER)
@@ -79,7 +98,7 @@ class _ZmqListener:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         try:
             if port:
-                sock.bind(f"tcp://{host}:{port}")
+                _bind_retrying(sock, f"tcp://{host}:{port}")
             else:
                 port = sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:

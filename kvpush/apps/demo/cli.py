@@ -18,7 +18,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
+from kvpush.apps.ports import free_port_range
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -89,22 +89,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _free_port_range(n: int) -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65535 and all(_port_free(base + i) for i in range(n)):
-            return int(base)
-    raise RuntimeError("no free port range on 127.0.0.1")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return free_port_range(n)
 
 
 @dataclass

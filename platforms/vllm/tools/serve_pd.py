@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,33 +24,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.apps.ports import free_port_range
+
 CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
 _VLLM_CLASS = {"nixl-push": "NixlPushConnector", "nixl-pull": "NixlConnector"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_port_range(1, host)
 
 
 def free_ports(n: int, host: str = "127.0.0.1", span: int = 1) -> list[int]:
     """n ports p such that p..p+span-1 are all free now (side channels listen on port + tp_rank)."""
     out: list[int] = []
+    taken: set[int] = set()
     while len(out) < n:
-        p = free_port(host)
-        if p + span > 65535 or any(abs(p - q) < span for q in out):
-            continue
-        ok = True
-        for k in range(1, span):
-            with socket.socket() as s:
-                try:
-                    s.bind((host, p + k))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            out.append(p)
+        p = free_port_range(span, host, exclude=taken)
+        out.append(p)
+        taken.update(range(p, p + span))
     return out
 
 
