@@ -120,6 +120,10 @@ class EndpointWorker(Worker, Generic[R]):
         self.results: queue.SimpleQueue[R] = queue.SimpleQueue()
         self.result_event = threading.Event()
         self.result_listener: Callable[[], None] | None = None
+        self.init_role()
+
+    def init_role(self) -> None:
+        """The role's own state (its state machine and maps), built at the end of __init__."""
 
     def setup_transport(self) -> tuple[Transport, Hello]:
         src = self._transport_source

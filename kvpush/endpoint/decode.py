@@ -94,16 +94,8 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
     name = "kvpush-recv"
     role = "decode"
 
-    def __init__(
-        self,
-        config: KVPushConfig,
-        layout: KVLayout,
-        mem_type: str,
-        transport: Transport | Callable[[], Transport] | None,
-        control: ControlPlane | None,
-        hooks: TransferHooks | None = None,
-    ) -> None:
-        super().__init__(config, layout, mem_type, transport, control, hooks)
+    def init_role(self) -> None:
+        config, layout = self.config, self.layout
         self.state = ReceiverState(
             config.engine_id,
             layout.tp_rank,

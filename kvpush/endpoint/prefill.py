@@ -129,16 +129,8 @@ class PushWorker(EndpointWorker[SendResult]):
     name = "kvpush-push"
     role = "prefill"
 
-    def __init__(
-        self,
-        config: KVPushConfig,
-        layout: KVLayout,
-        mem_type: str,
-        transport: Transport | Callable[[], Transport] | None,
-        control: ControlPlane | None,
-        hooks: TransferHooks | None = None,
-    ) -> None:
-        super().__init__(config, layout, mem_type, transport, control, hooks)
+    def init_role(self) -> None:
+        config, layout = self.config, self.layout
         self.state = SenderState(
             layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s, config.tombstone_s
         )
