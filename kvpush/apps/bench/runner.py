@@ -11,6 +11,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,16 +103,21 @@ class EnginePair:
         errors: list[str] = []
         stop = threading.Event()
 
-        def on_prefill() -> None:
+        def messages(q: Any) -> Iterator[dict[str, Any]]:
+            """An engine's messages until stopped; an engine crash is recorded and ends one wait."""
             while not stop.is_set():
                 try:
-                    msg = self.pf_out.get(timeout=0.05)
+                    msg = q.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 if msg["type"] == "error":
                     errors.append(msg["trace"])
                     pending.release()
                     continue
+                yield msg
+
+        def on_prefill() -> None:
+            for msg in messages(self.pf_out):
                 if msg["type"] == "prefill_error":
                     records[msg["id"]]["error"] = msg["reason"]
                     continue
@@ -131,15 +137,7 @@ class EnginePair:
                     )
 
         def on_decode() -> None:
-            while not stop.is_set():
-                try:
-                    msg = self.dec_out.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                if msg["type"] == "error":
-                    errors.append(msg["trace"])
-                    pending.release()
-                    continue
+            for msg in messages(self.dec_out):
                 if msg["type"] != "done":
                     continue
                 rec = records[msg["id"]]
