@@ -14,19 +14,9 @@ from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
 from kvpush.protocol.layout import KVLayout, LayoutError
 from kvpush.transport.memory import MemoryHub, MemoryTransport
+from tests.endpoint.util import until
 
 GEO = dict(num_layers=3, total_kv_heads=2, head_dim=8, dtype_size=2)
-
-
-def until(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    got: list = []
-    while time.monotonic() < deadline:
-        got += fn()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError("timed out")
 
 
 @pytest.fixture

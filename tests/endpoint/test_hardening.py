@@ -21,6 +21,7 @@ from kvpush.protocol.handshake import hello_frame
 from kvpush.protocol.layout import KVLayout
 from kvpush.protocol.wire import PLAIN, Abort, Codec, Registration
 from kvpush.transport.memory import MemoryHub, MemoryTransport
+from tests.endpoint.util import until
 
 GEO = dict(num_layers=2, total_kv_heads=2, head_dim=8, dtype_size=2)
 enc = msgspec.msgpack.Encoder().encode
@@ -54,13 +55,7 @@ def start_decode(hub, dst, name="D-agent", engine="D", **cfg):
 
 
 def wait(ep, timeout=8.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = ep.finished()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError("timed out")
+    return until(ep.finished, timeout)
 
 
 def push_ok(p, d, addr, rid, blocks=(1, 2)):

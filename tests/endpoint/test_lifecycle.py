@@ -4,7 +4,6 @@ reports every live request, and the engine's barrier and the backend hooks run o
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -15,19 +14,9 @@ from kvpush.endpoint import DecodeEndpoint, MemoryControl, PrefillAddress, Prefi
 from kvpush.errors import EndpointClosed
 from kvpush.protocol.layout import KVLayout
 from kvpush.transport.memory import MemoryHub, MemoryTransport
+from tests.endpoint.util import until
 
 GEO = dict(num_layers=2, total_kv_heads=2, head_dim=8, dtype_size=2)
-
-
-def until(fn, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    got: list = []
-    while time.monotonic() < deadline:
-        got += fn()
-        if got:
-            return got
-        time.sleep(0.005)
-    raise AssertionError("timed out")
 
 
 def make_pair(hooks_p=None, hooks_d=None):
