@@ -39,9 +39,6 @@ class PrefillAddress:
     def rank_port(self, rank: int) -> int:
         return self.port + rank
 
-    def rank_endpoint(self, rank: int) -> str:
-        return f"tcp://{self.host}:{self.rank_port(rank)}"
-
 
 @dataclass(frozen=True)
 class SendResult:
