@@ -10,7 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.protocol.handshake import Session
-from kvpush.protocol.wire import WIRE_VERSION, Abort, Codec, ErrorReply, Registration, TransferDone, WireError
+from kvpush.protocol.wire import (
+    KIND_CODES,
+    MAGIC,
+    WIRE_VERSION,
+    Abort,
+    Codec,
+    ErrorReply,
+    Posted,
+    Registration,
+    TransferDone,
+    WireError,
+)
 
 REG = Registration(
     request_id="req-1",
@@ -24,10 +35,9 @@ REG = Registration(
 )
 
 
-def raw(**fields):
+def raw(version=WIRE_VERSION, code=KIND_CODES[Registration], **fields):
+    """A registration body written by hand: the envelope, then the map (`...` leaves a field out)."""
     base = {
-        "kind": "reg",
-        "v": WIRE_VERSION,
         "request_id": "r",
         "attempt": 0,
         "decode_engine_id": "d",
@@ -38,7 +48,8 @@ def raw(**fields):
         "expires_at": 9.0,
     }
     base.update(fields)
-    return msgspec.msgpack.encode({k: v for k, v in base.items() if v is not ...})
+    body = msgspec.msgpack.encode({k: v for k, v in base.items() if v is not ...})
+    return MAGIC + bytes((version, code)) + body
 
 
 def test_round_trip_every_kind():
@@ -59,9 +70,14 @@ def test_round_trip_every_kind():
         (Codec().encode(REG)[:-4], "malformed"),
         (b"\xc1\xc1\xc1", "malformed"),
         (msgspec.msgpack.encode([1, 2, 3]), "header"),
-        (raw(v=99), "unsupported wire version 99"),
-        (raw(v=...), "unsupported wire version -1"),
-        (raw(kind="teleport"), "unknown message kind 'teleport'"),
+        (msgspec.msgpack.encode({"kind": "reg", "v": 2}), "no kvpush envelope"),
+        (MAGIC + bytes((WIRE_VERSION,)), "no kvpush envelope"),
+        (raw(version=99), "unsupported wire version 99"),
+        (raw(version=2), "unsupported wire version 2"),
+        (raw(code=200), "unknown message kind 200"),
+        (raw(code=KIND_CODES[Posted]), "invalid Posted message"),
+        (raw(v=WIRE_VERSION), "unknown field `v`"),
+        (raw(kind="reg"), "unknown field `kind`"),
         (raw(attempt=-1), "attempt"),
         (raw(block_ids=[-5]), "block_ids"),
         (raw(block_ids=[]), "block_ids"),
@@ -75,6 +91,65 @@ def test_round_trip_every_kind():
 def test_bad_messages_name_the_problem(data, needle):
     with pytest.raises(WireError, match=needle):
         Codec().decode(data)
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 100_000, 200_000])
+def test_registrations_of_any_length_round_trip(n):
+    """Wire v2 dropped a registration with >= ~4,090 block ids: its header scan gave up before reaching
+    `v`, which msgspec wrote after the block ids (a ~65k-token prompt at block size 16 never moved)."""
+    c = Codec()
+    reg = Registration(
+        request_id="long",
+        attempt=1,
+        decode_engine_id="dec",
+        decode_rank=0,
+        decode_tp=1,
+        block_ids=list(range(n)),
+        num_tokens=n * 16,
+        expires_at=9.0,
+    )
+    assert c.decode(c.encode(reg)) == reg
+
+
+def test_the_largest_registration_the_limit_admits_round_trips_and_one_more_id_is_refused_by_encode():
+    c = Codec()
+
+    def reg(n):
+        return Registration(
+            request_id="r",
+            attempt=0,
+            decode_engine_id="d",
+            decode_rank=0,
+            decode_tp=1,
+            block_ids=[1 << 20] * n,  # 5 bytes each on the wire
+            num_tokens=1,
+            expires_at=1.0,
+        )
+
+    fixed = len(c.encode(reg(70_000))) - 5 * 70_000  # with a 32-bit array length, as at the limit
+    most = (c.max_bytes - fixed) // 5
+    assert c.decode(c.encode(reg(most))) == reg(most)
+    with pytest.raises(WireError, match="limit"):
+        c.encode(reg(most + 1))
+
+
+def test_a_duplicated_key_is_refused_whichever_value_comes_last():
+    """msgspec keeps the last of two equal keys, so a check on the first could be passed by a crafted body."""
+    good = Codec().encode(REG)
+    env, body = good[:4], good[4:]
+    assert body[0] == 0x88  # a fixmap of eight fields
+    for dup in (b"\xa7attempt\x02", b"\xa7attempt\x07"):
+        crafted = env + bytes((0x89,)) + body[1:] + dup
+        with pytest.raises(WireError, match="non-canonical"):
+            Codec().decode(crafted)
+
+
+def test_nesting_bombs_in_any_field_are_refused_without_recursing():
+    for opener in (b"\x91", b"\x81\xa1k", b"\xdc\x00\x01"):
+        bomb = opener * 100_000 + b"\xc0"
+        for field in ("block_ids", "request_id", "surprise"):
+            with pytest.raises(WireError):
+                Codec(max_bytes=1 << 22).decode(raw(**{field: msgspec.Raw(bomb)}))
 
 
 def test_oversized_is_refused_before_parsing():
