@@ -10,6 +10,7 @@ import numpy as np
 
 from kvpush import DecodeEndpoint, KVLayout, KVPushConfig, PrefillAddress, PrefillEndpoint
 from kvpush.backends.host import HostKVCache
+from kvpush.config import SideChannel
 
 
 def main() -> int:
@@ -18,7 +19,9 @@ def main() -> int:
     decode_cache = HostKVCache(KVLayout(block_size=32, num_blocks=128, **geometry))
     prefill_cache.buffer[:] = np.random.default_rng(0).integers(0, 256, prefill_cache.nbytes, dtype=np.uint8)
 
-    prefill = PrefillEndpoint(KVPushConfig(engine_id="prefill-0", port=0), prefill_cache.layout)
+    prefill = PrefillEndpoint(
+        KVPushConfig(engine_id="prefill-0", side_channel=SideChannel(port=0)), prefill_cache.layout
+    )
     decode = DecodeEndpoint(KVPushConfig(engine_id="decode-0"), decode_cache.layout)
     with prefill, decode:
         where = PrefillAddress("prefill-0", *prefill.address, tp_size=1)

@@ -1,16 +1,25 @@
-"""One typed configuration object for both sides.
+"""One typed configuration object for both sides, in groups.
 
-It is filled from CLI flags, from vLLM's kv_connector_extra_config, or in code; `from_mapping` refuses
-unknown keys and wrong types with a message that names the key, so a typo in a deployment's JSON fails at
-start-up rather than being silently ignored.
+`KVPushConfig` holds the engine id and one frozen group per concern (side channel, NIXL, leases, liveness,
+pacing, posting, security, limits, metrics), each checking its own fields when built, the way an HTTP
+client takes separate timeout and limits objects. Rules that span groups are named methods on
+`KVPushConfig`.
+
+Deployments write flat keys (vLLM's kv_connector_extra_config JSON: {"port": 5600, "lease_s": 60}), so
+`from_mapping` and `replace` take every flat key as well as the nested form ({"leases": {"lease_s": 60}});
+an unknown key, a wrong type or a key given both ways fails at start-up with a message naming the key,
+rather than being silently ignored. docs/config.md lists every key (scripts/config_doc.py writes it).
 """
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from .errors import ConfigError
 
@@ -18,110 +27,187 @@ MIN_KEY_BYTES = 16  # as kvpush.protocol.handshake.MIN_KEY_BYTES (config must no
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    engine_id: str = "kvpush"
-    # Side channel (metadata handshake and registrations). Never 0.0.0.0 unless asked for.
-    host: str = "127.0.0.1"
-    port: int = 5600  # a rank listens on port + tp_rank
-    # NIXL
-    backends: tuple[str, ...] = ("UCX",)
-    ucx_net_devices: str | None = "lo"  # None leaves UCX_NET_DEVICES alone (clusters)
-    # NIXL backend init parameters, e.g. {"LIBFABRIC": {"num_threads": 4, "striping_threshold": 131072}}
-    # (passed as strings). The environment variable KVPUSH_BACKENDS overrides `backends` at transport
-    # start (kvpush.transport.nixl.selected_backends).
-    backend_params: dict[str, dict[str, str | int | float | bool]] = msgspec.field(default_factory=dict)
-    # Prefill: how long source blocks wait for a registration (or a registration for its prefill)
-    # before the request fails and the blocks are released.
-    lease_s: float = 120.0
-    # Decode: how long after expect() the KV must be ready. Longer than the lease, so a prefill that
-    # gives up always tells decode first.
-    ready_timeout_s: float = 150.0
-    # How long finished request ids are remembered to recognise late duplicates.
-    tombstone_s: float = 300.0
-    # Push/poll thread pacing. While work is in flight or expected, the thread sleeps busy_poll_s between
-    # rounds, doubling up to max_busy_poll_s while nothing happens (a decode waiting through a long
-    # prefill must not spin a core), and back to busy_poll_s on any activity. Idle: idle_poll_s.
-    busy_poll_s: float = 50e-6
-    max_busy_poll_s: float = 1e-3
-    idle_poll_s: float = 0.02
-    handshake_timeout_s: float = 10.0
-    # Posting. post_workers 0: the push thread posts and polls every WRITE itself; N > 0: N posting threads
-    # share the NIXL agent (STRICT sync), each destination kept on one worker while it has WRITEs in
-    # flight (its posts stay in order). Measured on a 2-core box over UCX loopback, where the copy runs
-    # inside the post, workers do not help (numbers in kvpush/transport/posting.py): the default is 0.
-    # On a 16-core host with RDMA or cuda_ipc and several decode ranks per prefill rank, try 2-4 (the
-    # demo's --post-workers measures it there). Whatever the mode, at
-    # most max_inflight_bytes and max_inflight_descriptors are posted and unsettled at once (a WRITE
-    # larger than either still goes when nothing else is in flight); the rest wait in one FIFO queue per
-    # destination, and destinations take turns.
-    post_workers: int = 0
-    max_inflight_bytes: int = 4 << 30
-    max_inflight_descriptors: int = 1 << 18
-    # Prefill: after posting a WRITE, tell the decode on the side channel (a Posted nudge), so the decode
-    # polls NIXL notifications at busy_poll_s without backing off until that WRITE's notification lands
-    # (with UCX the notification leaves when the prefill polls, and the decode finds it on its next poll).
-    posted_nudge: bool = True
-    max_message_bytes: int = 1 << 20
-    # Fencing. A registration expires at its ready deadline (expect() + ready_timeout_s); the prefill never
-    # posts after that, abandons a WRITE write_timeout_s after posting it, and write_linger_s bounds how
-    # late an abandoned WRITE's bytes may still land. The decode hands blocks back once no WRITE can land:
-    # on news that rules it out, or at expiry + write_timeout_s + write_linger_s.
-    write_timeout_s: float = 10.0
-    write_linger_s: float = 1.0
-    # Liveness on the side channel: each side pings every ping_interval_s; a peer not heard from for
-    # peer_timeout_s is silent (its requests end, and the decode re-handshakes to find a restart).
-    ping_interval_s: float = 1.0
-    peer_timeout_s: float = 5.0
-    # Authentication: a shared secret of at least 16 bytes, the same on both sides. require_auth None means
-    # "required when listening beyond loopback"; True always; False never (explicitly unauthenticated).
-    hmac_key: bytes | None = None
-    require_auth: bool | None = None
-    # Prefill: decode engine ids allowed to handshake (empty: any).
-    allowed_decode_ids: tuple[str, ...] = ()
-    # Prefill: per decode rank, at most this many pending registrations and bytes of their block tables.
-    max_pending_per_peer: int = 4096
-    max_pending_bytes_per_peer: int = 64 << 20
-    # Per connection and loop round, at most this many side-channel messages (others wait a round).
-    max_messages_per_peer_round: int = 16
-    # Optional Prometheus HTTP endpoint (prometheus_client.start_http_server); None: off.
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
+def _positive(group: msgspec.Struct, *names: str) -> None:
+    for name in names:
+        value = getattr(group, name)
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+class _Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of the groups: frozen, keyword-only, unknown fields refused."""
+
+
+class SideChannel(_Group, frozen=True):
+    """Where a prefill listens for the metadata handshake and registrations (never 0.0.0.0 unless asked)."""
+
+    host: Annotated[str, Meta(description="Prefill: the address the side channel binds.")] = "127.0.0.1"
+    port: Annotated[
+        int, Meta(description="Prefill: rank r listens on port + r (0: any free port, for tests).")
+    ] = 5600
 
     def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ConfigError("engine_id must be a non-empty string")
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port {self.port} is out of range 0..65535")
-        for name in (
-            "lease_s",
-            "ready_timeout_s",
-            "tombstone_s",
-            "busy_poll_s",
-            "max_busy_poll_s",
-            "idle_poll_s",
-            "handshake_timeout_s",
-            "write_timeout_s",
-            "write_linger_s",
-            "ping_interval_s",
-            "peer_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+BackendParams = dict[str, dict[str, str | int | float | bool]]
+
+
+class Nixl(_Group, frozen=True):
+    """The NIXL agent: which backends it creates and how."""
+
+    backends: Annotated[
+        tuple[str, ...],
+        Meta(description="NIXL backends to create; the environment variable KVPUSH_BACKENDS overrides it."),
+    ] = ("UCX",)
+    ucx_net_devices: Annotated[
+        str | None, Meta(description="UCX_NET_DEVICES to set; null leaves the environment alone (clusters).")
+    ] = "lo"
+    backend_params: Annotated[
+        BackendParams,
+        Meta(
+            description='Backend init parameters, e.g. {"LIBFABRIC": {"num_threads": 4}} (passed as strings).'
+        ),
+    ] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
+        unknown = sorted(set(self.backend_params) - set(self.backends))
+        if unknown:
+            raise ConfigError(
+                f"backend_params names backends {unknown} that are not in backends {list(self.backends)}"
+            )
+
+
+class Leases(_Group, frozen=True):
+    """How long each side holds blocks, and the fence that says when no WRITE can land any more.
+
+    A registration expires at its ready deadline (expect() + ready_timeout_s); the prefill never posts after
+    that and abandons a WRITE write_timeout_s after posting it; write_linger_s bounds how late an abandoned
+    WRITE's bytes may still land. The decode hands blocks back once no WRITE can land.
+    """
+
+    lease_s: Annotated[
+        float,
+        Meta(description="Prefill: how long source blocks wait for a registration (or it for the prefill)."),
+    ] = 120.0
+    ready_timeout_s: Annotated[
+        float, Meta(description="Decode: how long after expect() the KV must be ready; > lease_s.")
+    ] = 150.0
+    tombstone_s: Annotated[
+        float, Meta(description="How long finished request ids are remembered to spot late duplicates.")
+    ] = 300.0
+    write_timeout_s: Annotated[
+        float, Meta(description="Prefill: a WRITE not complete this long after posting is abandoned.")
+    ] = 10.0
+    write_linger_s: Annotated[
+        float, Meta(description="How late an abandoned WRITE's bytes may still land.")
+    ] = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "lease_s", "ready_timeout_s", "tombstone_s", "write_timeout_s", "write_linger_s")
         if self.ready_timeout_s <= self.lease_s:
             raise ConfigError(
                 f"ready_timeout_s ({self.ready_timeout_s}) must exceed lease_s ({self.lease_s}) so that "
                 "prefill reports a give-up before decode times out"
             )
-        if self.max_busy_poll_s < self.busy_poll_s:
-            raise ConfigError(
-                f"max_busy_poll_s ({self.max_busy_poll_s}) must be >= busy_poll_s ({self.busy_poll_s})"
-            )
-        if not self.backends:
-            raise ConfigError("backends must name at least one NIXL backend, e.g. ['UCX']")
+
+    @property
+    def write_bound_s(self) -> float:
+        """How long after a registration's expiry a WRITE of it may still land."""
+        return self.write_timeout_s + self.write_linger_s
+
+
+class Liveness(_Group, frozen=True):
+    """Side-channel liveness: a peer not heard from for peer_timeout_s is gone (its requests end)."""
+
+    ping_interval_s: Annotated[float, Meta(description="Each side pings its peers this often.")] = 1.0
+    peer_timeout_s: Annotated[
+        float,
+        Meta(description="A peer silent this long is gone; the decode re-handshakes to find a restart."),
+    ] = 5.0
+    handshake_timeout_s: Annotated[
+        float, Meta(description="Decode: how long connect() waits for a prefill's handshake answer.")
+    ] = 10.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "ping_interval_s", "peer_timeout_s", "handshake_timeout_s")
         if self.peer_timeout_s <= self.ping_interval_s:
             raise ConfigError(
                 f"peer_timeout_s ({self.peer_timeout_s}) must exceed ping_interval_s ({self.ping_interval_s})"
             )
+
+
+class Pacing(_Group, frozen=True):
+    """Push/poll thread pacing: a decode waiting through a long prefill must not spin a core.
+
+    While work is in flight or expected the thread sleeps busy_poll_s between rounds, doubling up to
+    max_busy_poll_s while nothing happens, back to busy_poll_s on any activity; idle, idle_poll_s.
+    """
+
+    busy_poll_s: Annotated[float, Meta(description="Sleep between rounds while work is in flight.")] = 50e-6
+    max_busy_poll_s: Annotated[
+        float, Meta(description="The busy sleep doubles up to this while nothing happens.")
+    ] = 1e-3
+    idle_poll_s: Annotated[float, Meta(description="Sleep between rounds with nothing in flight.")] = 0.02
+
+    def __post_init__(self) -> None:
+        _positive(self, "busy_poll_s", "max_busy_poll_s", "idle_poll_s")
+        if self.max_busy_poll_s < self.busy_poll_s:
+            raise ConfigError(
+                f"max_busy_poll_s ({self.max_busy_poll_s}) must be >= busy_poll_s ({self.busy_poll_s})"
+            )
+
+
+class Posting(_Group, frozen=True):
+    """How the prefill posts WRITEs.
+
+    workers 0: the push thread posts and polls every WRITE itself; N > 0: N posting threads share the NIXL
+    agent, each destination kept on one worker while it has WRITEs in flight (its posts stay in order). On
+    a 2-core box over UCX loopback workers do not help (kvpush/transport/posting.py), so the default is 0;
+    with RDMA or cuda_ipc and several decode ranks per prefill rank try 2-4. At most max_inflight_bytes
+    and max_inflight_descriptors are posted and unsettled at once (a larger WRITE still goes alone); the
+    rest wait in one FIFO queue per destination, and destinations take turns.
+    """
+
+    workers: Annotated[int, Meta(description="Posting threads, 0..64 (0: the push thread posts).")] = 0
+    max_inflight_bytes: Annotated[int, Meta(description="Bytes posted and not yet settled, at most.")] = (
+        4 << 30
+    )
+    max_inflight_descriptors: Annotated[
+        int, Meta(description="Descriptors posted and not yet settled, at most.")
+    ] = 1 << 18
+    nudge: Annotated[
+        bool,
+        Meta(
+            description="After posting a WRITE, send the decode a Posted nudge so it polls NIXL "
+            "notifications at busy_poll_s until that WRITE lands."
+        ),
+    ] = True
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.workers <= 64):
+            raise ConfigError(f"post_workers (posting.workers) must be in 0..64, got {self.workers}")
+        _positive(self, "max_inflight_bytes", "max_inflight_descriptors")
+
+
+class Security(_Group, frozen=True):
+    """Authentication and who may pair: a shared secret of at least 16 bytes, the same on both sides."""
+
+    hmac_key: Annotated[
+        bytes | None, Meta(description="The shared key (base64 in JSON); null: unauthenticated.")
+    ] = None
+    require_auth: Annotated[
+        bool | None,
+        Meta(description="null: required when listening beyond loopback; true: always; false: never."),
+    ] = None
+    allowed_decode_ids: Annotated[
+        tuple[str, ...], Meta(description="Prefill: decode engine ids allowed to handshake (empty: any).")
+    ] = ()
+
+    def __post_init__(self) -> None:
         if self.hmac_key is not None and len(self.hmac_key) < MIN_KEY_BYTES:
             raise ConfigError(
                 f"hmac_key is {len(self.hmac_key)} bytes; a shared key needs at least {MIN_KEY_BYTES} "
@@ -129,49 +215,182 @@ class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             )
         if self.require_auth and self.hmac_key is None:
             raise ConfigError("require_auth=True but no hmac_key is set: set the same key on both sides")
-        unknown = sorted(set(self.backend_params) - set(self.backends))
-        if unknown:
-            raise ConfigError(
-                f"backend_params names backends {unknown} that are not in backends {list(self.backends)}"
-            )
-        if not (0 <= self.post_workers <= 64):
-            raise ConfigError(f"post_workers must be in 0..64, got {self.post_workers}")
-        for name in (
+
+
+class Limits(_Group, frozen=True):
+    """Bounds on what one peer can make this side hold or do (a flood costs the flooder, not the others)."""
+
+    max_message_bytes: Annotated[int, Meta(description="Largest side-channel message accepted.")] = 1 << 20
+    max_pending_per_peer: Annotated[
+        int, Meta(description="Prefill: pending registrations per decode rank, at most.")
+    ] = 4096
+    max_pending_bytes_per_peer: Annotated[
+        int, Meta(description="Prefill: bytes of pending block tables per decode rank, at most.")
+    ] = 64 << 20
+    max_messages_per_peer_round: Annotated[
+        int, Meta(description="Side-channel messages read per connection and loop round (others wait).")
+    ] = 16
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "max_message_bytes",
             "max_pending_per_peer",
             "max_pending_bytes_per_peer",
             "max_messages_per_peer_round",
-            "max_inflight_bytes",
-            "max_inflight_descriptors",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
+
+
+class Metrics(_Group, frozen=True):
+    """The optional Prometheus HTTP endpoint (prometheus_client.start_http_server)."""
+
+    port: Annotated[int | None, Meta(description="Port of the metrics endpoint; null: off.")] = None
+    host: Annotated[str, Meta(description="Address the metrics endpoint binds.")] = "127.0.0.1"
+
+
+def _group(cls: type[_Group]) -> Any:
+    return msgspec.field(default_factory=cls)
+
+
+class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The engine's id and one group per concern; `from_mapping` and `replace` also take flat keys."""
+
+    engine_id: str = "kvpush"
+    side_channel: SideChannel = _group(SideChannel)
+    nixl: Nixl = _group(Nixl)
+    leases: Leases = _group(Leases)
+    liveness: Liveness = _group(Liveness)
+    pacing: Pacing = _group(Pacing)
+    posting: Posting = _group(Posting)
+    security: Security = _group(Security)
+    limits: Limits = _group(Limits)
+    metrics: Metrics = _group(Metrics)
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ConfigError("engine_id must be a non-empty string")
 
     def check_listen(self) -> None:
         """Before a prefill listens: beyond loopback, authentication is required unless switched off."""
-        if self.auth_required and self.hmac_key is None:
+        if self.auth_required and self.security.hmac_key is None:
             raise ConfigError(
-                f"a prefill listening on {self.host!r} (beyond loopback) requires authentication, and no "
-                "hmac_key is set: set the same key (>= 16 bytes) on both sides, or require_auth=False to run "
-                "unauthenticated on purpose"
+                f"a prefill listening on {self.side_channel.host!r} (beyond loopback) requires "
+                "authentication, and no hmac_key is set: set the same key (>= 16 bytes) on both sides, or "
+                "require_auth=False to run unauthenticated on purpose"
             )
 
     @property
     def auth_required(self) -> bool:
-        if self.require_auth is not None:
-            return self.require_auth
-        return self.host not in LOOPBACK
-
-    @property
-    def write_bound_s(self) -> float:
-        """How long after a registration's expiry a WRITE of it may still land."""
-        return self.write_timeout_s + self.write_linger_s
+        if self.security.require_auth is not None:
+            return self.security.require_auth
+        return self.side_channel.host not in LOOPBACK
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> KVPushConfig:
+        """Build from flat keys, nested groups or both (JSON types are converted, e.g. base64 to bytes)."""
+        nested, origin = _nest(data)
         try:
-            return msgspec.convert(dict(data), cls, strict=False)
+            return msgspec.convert(nested, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"invalid kvpush config: {exc}") from exc
+            raise _named(exc, origin) from exc
 
     def replace(self, **changes: Any) -> KVPushConfig:
-        return msgspec.structs.replace(self, **changes)
+        """A copy with `changes` (flat keys, group names or both) applied; every changed group is checked."""
+        nested, _ = _nest(changes)
+        fields: dict[str, Any] = {}
+        for name, value in nested.items():
+            if name in GROUPS and isinstance(value, dict):
+                fields[name] = msgspec.structs.replace(getattr(self, name), **value)
+            else:
+                fields[name] = value
+        return msgspec.structs.replace(self, **fields)
+
+
+GROUPS: dict[str, type[_Group]] = {
+    f.name: f.type for f in msgspec.structs.fields(KVPushConfig) if f.name != "engine_id"
+}
+
+# Flat keys whose name is not the field's name in its group (the group name would repeat in the field).
+_RENAMED = {
+    ("posting", "workers"): "post_workers",
+    ("posting", "nudge"): "posted_nudge",
+    ("metrics", "port"): "metrics_port",
+    ("metrics", "host"): "metrics_host",
+}
+
+# flat key (kv_connector_extra_config) -> (group, field)
+FLAT_KEYS: dict[str, tuple[str, str]] = {
+    _RENAMED.get((group, f.name), f.name): (group, f.name)
+    for group, cls in GROUPS.items()
+    for f in msgspec.structs.fields(cls)
+}
+assert len(FLAT_KEYS) == sum(len(msgspec.structs.fields(c)) for c in GROUPS.values()), "flat keys collide"
+assert not set(FLAT_KEYS) & {*GROUPS, "engine_id"}, "a flat key shadows a group"
+
+
+def _unknown(key: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean `{close[0]}`?)" if close else ""
+    return ConfigError(f"invalid kvpush config: unknown field `{key}`{hint}")
+
+
+def _nest(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
+    """Flat and nested keys to the nested form, and each (group, field) -> the key as the caller wrote it.
+
+    A group given as an instance counts as setting each of its fields; a field set twice (flat and
+    nested, or by a whole group and a flat key) is refused rather than letting one silently win.
+    """
+    nested: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+
+    def put(group: str, name: str, value: Any, key: str) -> None:
+        if (group, name) in origin:
+            raise ConfigError(
+                f"invalid kvpush config: `{key}` and `{origin[group, name]}` both set {group}.{name}; give it once"
+            )
+        origin[group, name] = key
+        nested.setdefault(group, {})[name] = value
+
+    for key, value in data.items():
+        if key == "engine_id":
+            nested[key] = value
+        elif key in FLAT_KEYS:
+            put(*FLAT_KEYS[key], value, key)
+        elif key in GROUPS:
+            cls = GROUPS[key]
+            if isinstance(value, cls):
+                for f in msgspec.structs.fields(cls):
+                    put(key, f.name, getattr(value, f.name), f"{key}={cls.__name__}(...)")
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(
+                    f"invalid kvpush config: `{key}` must be an object of {cls.__name__} fields"
+                )
+            names = [f.name for f in msgspec.structs.fields(cls)]
+            for name, item in value.items():
+                if name not in names:
+                    raise _unknown(f"{key}.{name}", [f"{key}.{n}" for n in names])
+                put(key, name, item, f"{key}.{name}")
+        else:
+            raise _unknown(str(key), [*FLAT_KEYS, *GROUPS, "engine_id"])
+    return nested, origin
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+
+
+def _named(exc: msgspec.ValidationError, origin: dict[tuple[str, str], str]) -> ConfigError:
+    """msgspec's message with its `$.group.field` path replaced by the key the caller wrote."""
+    text = str(exc)
+    if isinstance(exc.__cause__, ConfigError) or isinstance(exc.__context__, ConfigError):
+        return ConfigError(f"invalid kvpush config: {_AT.sub('', text)}")
+    m = _AT.search(text)
+    if not m:
+        return ConfigError(f"invalid kvpush config: {text}")
+    path = m.group(1)
+    group, _, rest = path.partition(".")
+    name = re.match(r"\w*", rest)
+    field = name.group(0) if name else ""
+    key = origin.get((group, field), path)
+    tail = rest[len(field) :] if (group, field) in origin else ""
+    return ConfigError(f"invalid kvpush config: `{key}{tail}`: {text[: m.start()]}")

@@ -18,7 +18,7 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 from kvpush.apps.procstat import thread_run_ns
 from kvpush.backends.host import HostKVCache
-from kvpush.config import KVPushConfig
+from kvpush.config import KVPushConfig, SideChannel
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
 from kvpush.protocol.layout import KVLayout
 
@@ -39,7 +39,7 @@ def main() -> int:
     src = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
     dst = HostKVCache(KVLayout(block_size=16, num_blocks=64, **geo))
     with (
-        PrefillEndpoint(KVPushConfig(engine_id="P", port=0), src.layout) as p,
+        PrefillEndpoint(KVPushConfig(engine_id="P", side_channel=SideChannel(port=0)), src.layout) as p,
         DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout) as d,
     ):
         where = PrefillAddress("P", *p.address)

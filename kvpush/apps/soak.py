@@ -40,7 +40,7 @@ from typing import Any
 from kvpush.apps.demo.cli import _free_port_range
 from kvpush.apps.demo.pattern import count_dirty_bytes, count_wrong_bytes, fill, scrub
 from kvpush.apps.demo.procs import BlockAllocator, Geometry
-from kvpush.config import KVPushConfig
+from kvpush.config import KVPushConfig, Leases, Liveness, Security, SideChannel
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
 from kvpush.endpoint.control import ControlChannel, ControlListener, ControlPlane, ZmqControl
 from kvpush.protocol.layout import Region
@@ -83,16 +83,12 @@ def soak_config(engine_id: str, port: int) -> KVPushConfig:
     """Short leases and timeouts so a request that a fault stranded comes back within seconds."""
     return KVPushConfig(
         engine_id=engine_id,
-        port=port,
-        hmac_key=KEY,
-        lease_s=2.0,
-        ready_timeout_s=3.0,
-        write_timeout_s=0.8,
-        write_linger_s=0.3,
-        ping_interval_s=0.25,
-        peer_timeout_s=1.5,
-        handshake_timeout_s=3.0,
-        tombstone_s=30.0,
+        side_channel=SideChannel(port=port),
+        security=Security(hmac_key=KEY),
+        leases=Leases(
+            lease_s=2.0, ready_timeout_s=3.0, write_timeout_s=0.8, write_linger_s=0.3, tombstone_s=30.0
+        ),
+        liveness=Liveness(ping_interval_s=0.25, peer_timeout_s=1.5, handshake_timeout_s=3.0),
     )
 
 
@@ -284,7 +280,7 @@ def _nixl_with_faults(
         from kvpush.endpoint.base import new_nixl_transport
 
         t = FaultInjectingTransport(
-            new_nixl_transport(config, role, 0), rates, seed, 1.5 * config.write_timeout_s
+            new_nixl_transport(config, role, 0), rates, seed, 1.5 * config.leases.write_timeout_s
         )
         out.append(t)
         return t
@@ -793,14 +789,16 @@ class Soak:
             if p.stopped_until:
                 return
             cfg = soak_config("x", 0)
-            span = self.rng.uniform(0.1, 2.5 * cfg.peer_timeout_s)
+            span = self.rng.uniform(0.1, 2.5 * cfg.liveness.peer_timeout_s)
             if kind == "stop_decode":
                 self.capture()
             os.kill(p.proc.pid, signal.SIGSTOP)
             p.stopped_until = time.monotonic() + span
-            if kind == "stop_decode" and span > cfg.peer_timeout_s + 0.5 and self.rng.random() < 0.7:
+            if kind == "stop_decode" and span > cfg.liveness.peer_timeout_s + 0.5 and self.rng.random() < 0.7:
                 # the victim looks gone: try its captured Hello now, when a rebind would be accepted
-                self.pending_attacks.append((time.monotonic() + cfg.peer_timeout_s + 0.2, "replayed"))
+                self.pending_attacks.append(
+                    (time.monotonic() + cfg.liveness.peer_timeout_s + 0.2, "replayed")
+                )
         elif kind == "abort_decode":
             cands = [r for r in live if r.d_held]
             if not cands:
@@ -885,7 +883,7 @@ class Soak:
     def _drain(self) -> None:
         """Let every lease, fence and stop pass; then every block must be back."""
         cfg = soak_config("x", 0)
-        bound = cfg.ready_timeout_s + cfg.write_bound_s + 2 * cfg.peer_timeout_s + 5.0
+        bound = cfg.leases.ready_timeout_s + cfg.leases.write_bound_s + 2 * cfg.liveness.peer_timeout_s + 5.0
         deadline = time.monotonic() + bound
         while time.monotonic() < deadline and (self.live() or self.pending_attacks):
             self.pump(0.02)

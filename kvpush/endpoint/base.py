@@ -65,11 +65,11 @@ class RecvResult:
 def new_nixl_transport(config: KVPushConfig, role: str, rank: int, mem_type: str = "DRAM") -> Transport:
     """A NIXL agent with exactly the configured backends, each checked to support `mem_type` (the memory
     this endpoint registers): a missing LIBFABRIC or a backend without VRAM fails here, by name."""
-    prepare_environment(config.ucx_net_devices)
+    prepare_environment(config.nixl.ucx_net_devices)
     return NixlTransport(
         f"{config.engine_id}-{role}-{rank}-{uuid.uuid4().hex[:8]}",
-        config.backends,
-        backend_params=config.backend_params,
+        config.nixl.backends,
+        backend_params=config.nixl.backend_params,
         mem_types=(mem_type,),
     )
 
@@ -108,7 +108,7 @@ class EndpointWorker(Worker, Generic[R]):
         self.hooks = hooks
         self.layout = layout
         self.mem_type = mem_type
-        self.codec = Codec(config.max_message_bytes)
+        self.codec = Codec(config.limits.max_message_bytes)
         self.instance = os.urandom(16)  # new per start of this process's endpoint: peers spot a restart
         self.control: ControlPlane = control if control is not None else ZmqControl()
         self._transport_source = transport
@@ -139,14 +139,14 @@ class EndpointWorker(Worker, Generic[R]):
             self.mem_type,
             self.layout,
             instance=self.instance,
-            auth=self.config.hmac_key is not None,
+            auth=self.config.security.hmac_key is not None,
         )
         return transport, hello
 
     def tick_due(self, now: float) -> bool:
         if now < self._next_tick:
             return False
-        self._next_tick = now + self.config.idle_poll_s / 2
+        self._next_tick = now + self.config.pacing.idle_poll_s / 2
         return True
 
     def put_result(self, result: R) -> None:
@@ -187,8 +187,8 @@ class Endpoint(Generic[R]):
 
     def start(self) -> None:
         self._worker.start()
-        if self.config.metrics_port is not None:
-            serve_metrics(self.config.metrics_host, self.config.metrics_port)
+        if self.config.metrics.port is not None:
+            serve_metrics(self.config.metrics.host, self.config.metrics.port)
 
     def __enter__(self) -> Any:
         self.start()
@@ -235,7 +235,7 @@ class Endpoint(Generic[R]):
 
     def pending(self) -> int:
         """Requests the state machine still tracks (asked on the worker thread)."""
-        return int(self._worker.call(self._worker.tracked, self.config.handshake_timeout_s))
+        return int(self._worker.call(self._worker.tracked, self.config.liveness.handshake_timeout_s))
 
 
 def checked_blocks(

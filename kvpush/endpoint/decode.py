@@ -101,9 +101,9 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             layout.tp_rank,
             layout.tp_size,
             layout.total_kv_heads,
-            config.ready_timeout_s,
-            config.write_bound_s,
-            gone_linger_s=config.write_linger_s,
+            config.leases.ready_timeout_s,
+            config.leases.write_bound_s,
+            gone_linger_s=config.leases.write_linger_s,
         )
         self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
         self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named
@@ -142,7 +142,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self._on_notification(peer_name, data, now)
         for peer in list(self.prefills.values()):
             for _ in range(
-                self.config.max_messages_per_peer_round
+                self.config.limits.max_messages_per_peer_round
             ):  # one chatty prefill cannot starve others
                 reply = peer.channel.recv()
                 if reply is None:
@@ -194,13 +194,13 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
         cfg = self.config
         for peer in list(self.prefills.values()):
-            if peer.session is not None and now - peer.last_ping >= cfg.ping_interval_s:
+            if peer.session is not None and now - peer.last_ping >= cfg.liveness.ping_interval_s:
                 peer.last_ping = now
                 self._send_sealed(peer, Ping(clock=now))
             heard = max(peer.last_heard, peer.connected_at)
-            if now - heard < cfg.peer_timeout_s:
+            if now - heard < cfg.liveness.peer_timeout_s:
                 continue
-            why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.peer_timeout_s})"
+            why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.liveness.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
                 self.ledger.add("peers_gone")
                 if peer.channel.peer_closed():
@@ -219,7 +219,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self.poller.unregister(peer.channel.pollable)
         peer.channel.close()
         peer.channel = self.control.connect(
-            peer.address.host, peer.address.rank_port(peer.rank), self.config.max_message_bytes
+            peer.address.host, peer.address.rank_port(peer.rank), self.config.limits.max_message_bytes
         )
         self.poller.register(peer.channel.pollable, zmq.POLLIN)
         self._send_hello(peer, now)
@@ -230,7 +230,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         peer.connected_at = now
         hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
         try:
-            peer.channel.send(hello_frame(self.codec, hello, self.config.hmac_key))
+            peer.channel.send(hello_frame(self.codec, hello, self.config.security.hmac_key))
         except TransportError as exc:
             log.warning("kvpush decode: hello to prefill %s failed: %s", ascii(peer.address.engine_id), exc)
 
@@ -246,7 +246,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         peer = self.prefills.get(key)
         if peer is None:
             channel = self.control.connect(
-                address.host, address.rank_port(rank), self.config.max_message_bytes
+                address.host, address.rank_port(rank), self.config.limits.max_message_bytes
             )
             self.poller.register(channel.pollable, zmq.POLLIN)
             peer = self.prefills[key] = _PrefillPeer(address, rank, channel)
@@ -271,7 +271,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             # a hint only: poll fast for that notification while the request is still waited for
             if msg.prefill_rank == peer.rank and self.state.tracks(msg.request_id):
                 self.ledger.add("nudges")
-                self.announced[(msg.request_id, peer.rank)] = now + self.config.write_timeout_s
+                self.announced[(msg.request_id, peer.rank)] = now + self.config.leases.write_timeout_s
         elif isinstance(msg, Ping | Pong):
             self._heard(peer, msg.clock, now)
             if isinstance(msg, Ping):
@@ -287,7 +287,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
 
     def _open_hello_reply(self, peer: _PrefillPeer, data: bytes, origin: str) -> Message | None:
         try:
-            return open_hello(self.codec, data, self.config.hmac_key, echo=peer.nonce)
+            return open_hello(self.codec, data, self.config.security.hmac_key, echo=peer.nonce)
         except AuthMismatch as exc:
             peer.error = str(exc)
             self.ledger.add("refused")
@@ -330,7 +330,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         if peer.hello is not None:
             self.by_agent.pop(peer.hello.agent_name, None)
         peer.hello, peer.error, peer.instance = msg, "", msg.instance
-        peer.session = Session(self.codec, self.config.hmac_key, peer.nonce, msg.nonce, "decode")
+        peer.session = Session(self.codec, self.config.security.hmac_key, peer.nonce, msg.nonce, "decode")
         self.by_agent[msg.agent_name] = peer
         peer.clock_offset = None
         self._heard(peer, msg.clock, now)
@@ -486,7 +486,7 @@ class DecodeEndpoint(Endpoint[RecvResult]):
 
         Optional: expect() connects lazily. Call it at start-up to refuse an incompatible pair early.
         """
-        timeout = self.config.handshake_timeout_s if timeout is None else timeout
+        timeout = self.config.liveness.handshake_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             done = threading.Event()

@@ -158,7 +158,7 @@ class Worker:
     def idle_wait_ms(self) -> int:
         """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
         timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
-        return max(1, int(self.config.idle_poll_s * (1000 if self.tracked() else 5000)))
+        return max(1, int(self.config.pacing.idle_poll_s * (1000 if self.tracked() else 5000)))
 
     # loop ---------------------------------------------------------------------------------------
     def _main(self) -> None:
@@ -181,7 +181,7 @@ class Worker:
                 log.exception("kvpush worker %s: teardown failed", self.name)
 
     def _loop(self) -> None:
-        fast, slowest = self.config.busy_poll_s, self.config.max_busy_poll_s
+        fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s
         nap = fast
         while not self._stop.is_set():
             while True:

@@ -1,7 +1,7 @@
 """The prefill endpoint: receives registrations, pushes KV with WRITEs, tells the engine when blocks are free.
 
     prefill = PrefillEndpoint(config, layout)          # layout placed in registered memory
-    prefill.start()                                     # transport, side channel on config.host:port+rank
+    prefill.start()                                     # transport, side channel on side_channel.host:port+rank
     prefill.prefill_done(req_id, block_ids, num_tokens) # returns at once
     for r in prefill.finished(): free(r.block_ids)      # WRITEs completed (or the request failed)
 
@@ -54,8 +54,8 @@ from .control import ControlListener, ControlPlane
 log = logging.getLogger("kvpush")
 
 # At most this many side-channel messages per loop round, so one flooding peer cannot starve WRITE
-# progress, completions and ticks; per connection, config.max_messages_per_peer_round (the rest of a
-# connection's messages wait, in order, in its backlog, so one peer cannot starve the others either).
+# progress, completions and ticks; per connection, config.limits.max_messages_per_peer_round (the rest
+# of a connection's messages wait, in order, in its backlog, so one peer cannot starve the others either).
 MAX_MESSAGES_PER_ROUND = 64
 MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; beyond: refused
 MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
@@ -132,7 +132,11 @@ class PushWorker(EndpointWorker[SendResult]):
     def init_role(self) -> None:
         config, layout = self.config, self.layout
         self.state = SenderState(
-            layout.tp_rank, layout.tp_size, layout.total_kv_heads, config.lease_s, config.tombstone_s
+            layout.tp_rank,
+            layout.tp_size,
+            layout.total_kv_heads,
+            config.leases.lease_s,
+            config.leases.tombstone_s,
         )
         self.peers: dict[tuple[str, int], _DecodePeer] = {}
         self.writes: list[_Write] = []  # in flight, in posting order
@@ -159,10 +163,10 @@ class PushWorker(EndpointWorker[SendResult]):
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
         self.transport, self.hello = self.setup_transport()
-        port = self.config.port + self.layout.tp_rank if self.config.port else 0
+        port = self.config.side_channel.port + self.layout.tp_rank if self.config.side_channel.port else 0
         try:
             self.listener: ControlListener = self.control.listen(
-                self.config.host, port, self.config.max_message_bytes
+                self.config.side_channel.host, port, self.config.limits.max_message_bytes
             )
         except TransportError:
             self.transport.close()
@@ -170,11 +174,14 @@ class PushWorker(EndpointWorker[SendResult]):
         self.bound_port = self.listener.port
         self.poller.register(self.listener.pollable, zmq.POLLIN)
         build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
-        if self.config.post_workers:
+        if self.config.posting.workers:
             self.pool = PostingPool(
-                self.transport, self.config.post_workers, self.doorbell.ring, self.config.busy_poll_s
+                self.transport,
+                self.config.posting.workers,
+                self.doorbell.ring,
+                self.config.pacing.busy_poll_s,
             )
-            self.worker_load = [0] * self.config.post_workers
+            self.worker_load = [0] * self.config.posting.workers
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
@@ -237,7 +244,7 @@ class PushWorker(EndpointWorker[SendResult]):
     def _receive(self, now: float) -> bool:
         """One round of side-channel messages, fair per connection: each gets at most its share a round
         (the rest wait in order in its backlog), and the round as a whole is capped."""
-        cap = self.config.max_messages_per_peer_round
+        cap = self.config.limits.max_messages_per_peer_round
         did = False
         counts: dict[bytes, int] = {}
         for c in [c for c in self.conns.values() if c.backlog]:
@@ -308,7 +315,7 @@ class PushWorker(EndpointWorker[SendResult]):
 
     def _on_first_message(self, conn: bytes, data: bytes | None, now: float) -> None:
         """A connection without a session may only say Hello."""
-        key = self.config.hmac_key
+        key = self.config.security.hmac_key
         try:
             if data is None:
                 raise WireError("malformed frame (wrong number of parts or over the size limit)")
@@ -326,7 +333,7 @@ class PushWorker(EndpointWorker[SendResult]):
         self._on_hello(conn, hello, now)
 
     def _on_hello(self, conn: bytes, hello: Hello, now: float) -> None:
-        allowed = self.config.allowed_decode_ids
+        allowed = self.config.security.allowed_decode_ids
         if allowed and hello.engine_id not in allowed:
             self.ledger.add("refused")
             log.warning(
@@ -356,20 +363,20 @@ class PushWorker(EndpointWorker[SendResult]):
         c = _Conn(
             conn,
             now,
-            Session(self.codec, self.config.hmac_key, hello.nonce, nonce, "prefill"),
+            Session(self.codec, self.config.security.hmac_key, hello.nonce, nonce, "prefill"),
             identity,
             hello.instance,
             agent,
             now,
             now,
-            confirmed=self.config.hmac_key is None,
+            confirmed=self.config.security.hmac_key is None,
             peer_layout=peer_layout,
         )
         self._track(c)
         if c.confirmed:
             self._bind(c, now)
         reply = msgspec.structs.replace(self.hello, nonce=nonce, clock=time.monotonic())
-        self._send_raw(conn, hello_frame(self.codec, reply, self.config.hmac_key, echo=hello.nonce))
+        self._send_raw(conn, hello_frame(self.codec, reply, self.config.security.hmac_key, echo=hello.nonce))
 
     def _identity_in_use(self, conn: bytes, identity: tuple[str, int], now: float) -> bool:
         """Refuse (and say so) when the identity is bound to another live connection; an old one that is
@@ -391,7 +398,7 @@ class PushWorker(EndpointWorker[SendResult]):
         self._refuse(
             conn,
             f"decode {engine!r} rank {rank} is bound to a live connection; a new hello is accepted once "
-            f"that one is gone (silent for {self.config.peer_timeout_s}s, or its NIXL agent disconnected)",
+            f"that one is gone (silent for {self.config.liveness.peer_timeout_s}s, or its NIXL agent disconnected)",
             "identity_in_use",
         )
         return True
@@ -450,17 +457,23 @@ class PushWorker(EndpointWorker[SendResult]):
         size = 8 * len(msg.block_ids) + len(msg.request_id)
         if msg.request_id not in c.regs:
             cfg = self.config
-            if len(c.regs) >= cfg.max_pending_per_peer or c.reg_bytes + size > cfg.max_pending_bytes_per_peer:
+            if (
+                len(c.regs) >= cfg.limits.max_pending_per_peer
+                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
+            ):
                 live = set(self.state.pending())
                 c.regs = {r: n for r, n in c.regs.items() if r in live}
                 c.reg_bytes = sum(c.regs.values())
-            if len(c.regs) >= cfg.max_pending_per_peer or c.reg_bytes + size > cfg.max_pending_bytes_per_peer:
+            if (
+                len(c.regs) >= cfg.limits.max_pending_per_peer
+                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
+            ):
                 self.ledger.add("refused")
                 self._refuse(
                     c.conn,
                     f"too many pending registrations from this decode rank ({len(c.regs)}, "
-                    f"{c.reg_bytes} bytes; limits {cfg.max_pending_per_peer}, "
-                    f"{cfg.max_pending_bytes_per_peer})",
+                    f"{c.reg_bytes} bytes; limits {cfg.limits.max_pending_per_peer}, "
+                    f"{cfg.limits.max_pending_bytes_per_peer})",
                     "limit",
                     msg.request_id,
                     msg.attempt,
@@ -473,7 +486,7 @@ class PushWorker(EndpointWorker[SendResult]):
     def _provably_gone(self, c: _Conn, now: float) -> bool:
         """A bound identity may move to a new connection only once the old one is gone: silent past
         peer_timeout_s, or its NIXL agent refuses a notification."""
-        if now - c.last_heard >= self.config.peer_timeout_s:
+        if now - c.last_heard >= self.config.liveness.peer_timeout_s:
             return True
         try:
             self.transport.send_notif(c.agent, b"")
@@ -506,10 +519,10 @@ class PushWorker(EndpointWorker[SendResult]):
         for c in list(self.conns.values()):
             if c.session is None:
                 continue
-            if now - c.last_ping >= cfg.ping_interval_s:
+            if now - c.last_ping >= cfg.liveness.ping_interval_s:
                 c.last_ping = now
                 self._send_sealed(c, Ping(clock=time.monotonic()))
-            if now - c.last_heard >= cfg.peer_timeout_s:
+            if now - c.last_heard >= cfg.liveness.peer_timeout_s:
                 log.warning(
                     "kvpush prefill: decode %s silent for %.1fs: dropped",
                     ascii(str(c.identity)),
@@ -582,8 +595,8 @@ class PushWorker(EndpointWorker[SendResult]):
         """Within the in-flight budget (or nothing in flight: a WRITE over the budget still goes alone)."""
         cfg = self.config
         return not self.writes or (
-            self.inflight_bytes + w.plan.nbytes <= cfg.max_inflight_bytes
-            and self.inflight_descs + w.plan.num_descriptors <= cfg.max_inflight_descriptors
+            self.inflight_bytes + w.plan.nbytes <= cfg.posting.max_inflight_bytes
+            and self.inflight_descs + w.plan.num_descriptors <= cfg.posting.max_inflight_descriptors
         )
 
     def _dispatch(self, follow: deque[SenderAction]) -> bool:
@@ -617,7 +630,7 @@ class PushWorker(EndpointWorker[SendResult]):
         machine's answer to its failure."""
         now = time.monotonic()
         a = w.action
-        if now - w.queued_at >= self.config.write_timeout_s:
+        if now - w.queued_at >= self.config.leases.write_timeout_s:
             return self.state.on_write_done(
                 a.request_id,
                 a.attempt,
@@ -648,7 +661,7 @@ class PushWorker(EndpointWorker[SendResult]):
                 worker = min(range(len(self.worker_load)), key=self.worker_load.__getitem__)
             self.dest_worker[w.dest] = worker
             w.worker = worker
-            w.job = PostJob(w.post, w.queued_at + self.config.write_timeout_s)
+            w.job = PostJob(w.post, w.queued_at + self.config.leases.write_timeout_s)
             self.pool_writes[w.job] = w
             self.worker_load[worker] += 1
             self.pool.submit(w.job, worker)
@@ -662,7 +675,7 @@ class PushWorker(EndpointWorker[SendResult]):
         self.ledger.add("writes")
         self.ledger.add("descriptors", w.plan.num_descriptors)
         self.ledger.add("blocks", w.plan.num_blocks)
-        if self.config.posted_nudge:
+        if self.config.posting.nudge:
             self.nudges.append(w)
         return None
 
@@ -815,7 +828,7 @@ class PushWorker(EndpointWorker[SendResult]):
                     marks.setdefault("posted", job.posted_at)
                 follow += self._settled(w, job.state == "done", job.error, job.complete_at or now)
         for w in list(self.writes):
-            if now - w.queued_at >= self.config.write_timeout_s:
+            if now - w.queued_at >= self.config.leases.write_timeout_s:
                 follow += self._abandon(w, now)  # checked before polling: an overdue WRITE is not advanced
                 continue
             if w.job is not None:
@@ -862,7 +875,7 @@ class PushWorker(EndpointWorker[SendResult]):
                 self.transport.release(w.handle)
         self.ledger.add("write_timeouts")
         a = w.action
-        reason = f"WRITE not complete after {self.config.write_timeout_s}s: abandoned"
+        reason = f"WRITE not complete after {self.config.leases.write_timeout_s}s: abandoned"
         return self.state.on_write_done(
             a.request_id, a.attempt, a.decode_rank, False, 0, reason, time.monotonic(), abandoned=True
         )
@@ -949,7 +962,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.host, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.host, self._push.bound_port - self.layout.tp_rank
 
     def prefill_done(
         self,

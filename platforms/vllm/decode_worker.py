@@ -6,8 +6,9 @@ so vLLM's kv_load_failure_policy decides between failing the request and recompu
 aborted while waiting stays recorded until the endpoint confirms that no WRITE can still land.
 
 With extra config `pairing_port`, rank r also answers GET /kvpush/pairing?engine_id=&host=&port=&tp_size=
-on config.host:pairing_port+r: it handshakes with that prefill (or reuses the handshake) and says whether
-KV can move, naming the mismatch if not. `kvpush proxy --decode-pairing` asks it before sending traffic.
+on config.side_channel.host:pairing_port+r: it handshakes with that prefill (or reuses the handshake)
+and says whether KV can move, naming the mismatch if not. `kvpush proxy --decode-pairing` asks it before
+sending traffic.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class DecodeWorker(WorkerBase):
                 ) from exc
         if self.settings.pairing_port:
             self.pairing = PairingServer(
-                self, self.settings.config.host, self.settings.pairing_port + cache.rank
+                self, self.settings.config.side_channel.host, self.settings.pairing_port + cache.rank
             )
         self.start_stats()
 

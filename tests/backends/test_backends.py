@@ -23,7 +23,11 @@ def test_host_cache_places_every_plane_inside_its_region():
 
 def test_neuron_config_selects_libfabric():
     cfg = neuron_config("trn-prefill", "10.0.0.7")
-    assert cfg.backends == ("LIBFABRIC",) and cfg.ucx_net_devices is None and cfg.port == 5600
+    assert (
+        cfg.nixl.backends == ("LIBFABRIC",)
+        and cfg.nixl.ucx_net_devices is None
+        and cfg.side_channel.port == 5600
+    )
 
 
 def test_neuron_cache_refuses_address_zero_with_the_map_hbm_explanation():

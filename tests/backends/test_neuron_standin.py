@@ -176,8 +176,12 @@ def _push(
     tokens: int,
 ) -> None:
     cfg = dict(lease_s=20.0, ready_timeout_s=30.0)
-    p = PrefillEndpoint(KVPushConfig(engine_id="P", port=0, **cfg), src_layout, "DRAM", hooks=src_hooks)  # type: ignore[arg-type]
-    d = DecodeEndpoint(KVPushConfig(engine_id="D", **cfg), dst_layout, "DRAM", hooks=dst_hooks)  # type: ignore[arg-type]
+    p = PrefillEndpoint(
+        KVPushConfig.from_mapping(dict(engine_id="P", port=0, **cfg)), src_layout, "DRAM", hooks=src_hooks
+    )  # type: ignore[arg-type]
+    d = DecodeEndpoint(
+        KVPushConfig.from_mapping(dict(engine_id="D", **cfg)), dst_layout, "DRAM", hooks=dst_hooks
+    )  # type: ignore[arg-type]
     p.start()
     d.start()
     try:

@@ -64,7 +64,7 @@ def test_backend_params_must_name_selected_backends() -> None:
     cfg = KVPushConfig.from_mapping(
         {"backends": ["LIBFABRIC"], "backend_params": {"LIBFABRIC": {"num_threads": 4}}}
     )
-    assert cfg.backend_params == {"LIBFABRIC": {"num_threads": 4}}
+    assert cfg.nixl.backend_params == {"LIBFABRIC": {"num_threads": 4}}
     with pytest.raises(ConfigError, match="backend_params names backends"):
         KVPushConfig.from_mapping({"backend_params": {"LIBFABRIC": {"num_threads": 4}}})
     with pytest.raises(TransportError, match="not selected"):

@@ -26,12 +26,12 @@ def pair():
     dst = HostKVCache(KVLayout(block_size=8, num_blocks=16, **GEO))
     src.buffer[:] = np.random.default_rng(0).integers(0, 256, src.nbytes, dtype=np.uint8)
     p = PrefillEndpoint(
-        KVPushConfig(engine_id="P", port=0, lease_s=2.0, ready_timeout_s=3.0),
+        KVPushConfig.from_mapping(dict(engine_id="P", port=0, lease_s=2.0, ready_timeout_s=3.0)),
         src.layout,
         transport=MemoryTransport("P-agent", hub),
     )
     d = DecodeEndpoint(
-        KVPushConfig(engine_id="D", lease_s=2.0, ready_timeout_s=3.0),
+        KVPushConfig.from_mapping(dict(engine_id="D", lease_s=2.0, ready_timeout_s=3.0)),
         dst.layout,
         transport=MemoryTransport("D-agent", hub),
     )
@@ -170,7 +170,9 @@ def test_layout_mismatch_is_refused_at_connect():
     dst = HostKVCache(KVLayout(block_size=4, num_blocks=8, **other))
     with (
         PrefillEndpoint(
-            KVPushConfig(engine_id="P", port=0), src.layout, transport=MemoryTransport("P", hub)
+            KVPushConfig.from_mapping(dict(engine_id="P", port=0)),
+            src.layout,
+            transport=MemoryTransport("P", hub),
         ) as p,
         DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout, transport=MemoryTransport("D", hub)) as d,
         pytest.raises(LayoutError, match="num_layers"),
@@ -182,11 +184,11 @@ def test_config_refuses_bad_values():
     from kvpush.config import ConfigError
 
     with pytest.raises(ConfigError, match="ready_timeout_s"):
-        KVPushConfig(lease_s=10, ready_timeout_s=5)
+        KVPushConfig.from_mapping(dict(lease_s=10, ready_timeout_s=5))
     with pytest.raises(ConfigError, match="unknown field `prot`"):
         KVPushConfig.from_mapping({"prot": 1})
     with pytest.raises(ConfigError, match="port"):
-        KVPushConfig(port=70000)
+        KVPushConfig.from_mapping(dict(port=70000))
 
 
 def test_engine_calls_refuse_bad_tables_at_once(pair):

@@ -20,7 +20,7 @@ def test_one_round_handles_a_bounded_number_of_flooded_messages():
         KVLayout(num_layers=1, block_size=4, num_blocks=8, total_kv_heads=1, head_dim=8, dtype_size=2)
     )
     worker = PushWorker(
-        KVPushConfig(engine_id="P", port=0),
+        KVPushConfig.from_mapping(dict(engine_id="P", port=0)),
         cache.layout,
         "DRAM",
         MemoryTransport("P-agent", MemoryHub()),

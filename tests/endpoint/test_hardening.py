@@ -38,7 +38,7 @@ def caches():
 
 def start_prefill(hub, src, name="P-agent", port=0, **cfg):
     p = PrefillEndpoint(
-        KVPushConfig(engine_id="P", port=port, **{**FAST, **cfg}),
+        KVPushConfig.from_mapping(dict(engine_id="P", port=port, **{**FAST, **cfg})),
         src.layout,
         transport=MemoryTransport(name, hub),
     )
@@ -48,7 +48,9 @@ def start_prefill(hub, src, name="P-agent", port=0, **cfg):
 
 def start_decode(hub, dst, name="D-agent", engine="D", **cfg):
     d = DecodeEndpoint(
-        KVPushConfig(engine_id=engine, **{**FAST, **cfg}), dst.layout, transport=MemoryTransport(name, hub)
+        KVPushConfig.from_mapping(dict(engine_id=engine, **{**FAST, **cfg})),
+        dst.layout,
+        transport=MemoryTransport(name, hub),
     )
     d.start()
     return d
@@ -145,12 +147,12 @@ def test_a_third_process_cannot_hijack_register_or_abort_for_a_live_decode(world
 
 def test_keys_one_sided_short_or_missing_beyond_loopback_are_refused_with_a_reason():
     with pytest.raises(ConfigError, match="at least 16"):
-        KVPushConfig(hmac_key=b"")
+        KVPushConfig.from_mapping(dict(hmac_key=b""))
     with pytest.raises(ConfigError, match="at least 16"):
-        KVPushConfig(hmac_key=b"short")
+        KVPushConfig.from_mapping(dict(hmac_key=b"short"))
     with pytest.raises(ConfigError, match="beyond loopback"):
-        KVPushConfig(host="10.0.0.5").check_listen()
-    KVPushConfig(host="10.0.0.5", require_auth=False).check_listen()
+        KVPushConfig.from_mapping(dict(host="10.0.0.5")).check_listen()
+    KVPushConfig.from_mapping(dict(host="10.0.0.5", require_auth=False)).check_listen()
     hub = MemoryHub()
     src, dst = caches()
     p = start_prefill(hub, src, hmac_key=b"k" * 32)
@@ -225,7 +227,9 @@ def test_a_frozen_prefill_keeps_the_decodes_blocks_until_the_fence():
     fast = dict(lease_s=1.0, ready_timeout_s=1.5, write_timeout_s=0.3, write_linger_s=0.2)
     p = start_prefill(hub, src, **fast)
     transport = _RefusingTransport("D-agent", hub)
-    d = DecodeEndpoint(KVPushConfig(engine_id="D", **{**FAST, **fast}), dst.layout, transport=transport)
+    d = DecodeEndpoint(
+        KVPushConfig.from_mapping(dict(engine_id="D", **{**FAST, **fast})), dst.layout, transport=transport
+    )
     d.start()
     thaw = threading.Event()
     try:

@@ -26,7 +26,7 @@ def test_a_replayed_hello_binds_nothing_and_the_victim_handshakes_at_once_after_
     p = start_prefill(hub, src, hmac_key=KEY)
     tap = FrameTapControl(ZmqControl())
     d = DecodeEndpoint(
-        KVPushConfig(engine_id="D", hmac_key=KEY, **FAST),
+        KVPushConfig.from_mapping(dict(engine_id="D", hmac_key=KEY, **FAST)),
         dst.layout,
         transport=MemoryTransport("D-agent", hub),
         control=tap,

@@ -26,14 +26,14 @@ def make_pair(hooks_p=None, hooks_d=None):
     src.buffer[:] = np.random.default_rng(1).integers(0, 256, src.nbytes, dtype=np.uint8)
     cfg = dict(lease_s=5.0, ready_timeout_s=8.0)
     p = PrefillEndpoint(
-        KVPushConfig(engine_id="P", port=0, **cfg),
+        KVPushConfig.from_mapping(dict(engine_id="P", port=0, **cfg)),
         src.layout,
         transport=MemoryTransport("P-agent", hub),
         control=control,
         hooks=hooks_p,
     )
     d = DecodeEndpoint(
-        KVPushConfig(engine_id="D", **cfg),
+        KVPushConfig.from_mapping(dict(engine_id="D", **cfg)),
         dst.layout,
         transport=MemoryTransport("D-agent", hub),
         control=control,

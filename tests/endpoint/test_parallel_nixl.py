@@ -31,17 +31,22 @@ def test_parallel_posting_over_nixl(workers):
     n = 300
     req_bytes = n * 2 * 64 * 2 * 3 * 2  # both decode ranks' halves
     port = _free_port_range(1)
-    pcfg = KVPushConfig(
-        engine_id="P",
-        port=port,
-        post_workers=workers,
-        max_inflight_bytes=req_bytes,
-        lease_s=20.0,
-        ready_timeout_s=30.0,
+    pcfg = KVPushConfig.from_mapping(
+        dict(
+            engine_id="P",
+            port=port,
+            post_workers=workers,
+            max_inflight_bytes=req_bytes,
+            lease_s=20.0,
+            ready_timeout_s=30.0,
+        )
     )
     pe = PrefillEndpoint(pcfg, pc.layout)
     de = [
-        DecodeEndpoint(KVPushConfig(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0), c.layout)
+        DecodeEndpoint(
+            KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0)),
+            c.layout,
+        )
         for c in dcs
     ]
     try:

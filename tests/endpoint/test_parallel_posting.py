@@ -39,18 +39,20 @@ def test_budget_order_and_exactly_once_with_workers(workers):
     src.buffer[:] = np.random.default_rng(1).integers(0, 256, src.nbytes, dtype=np.uint8)
     dsts = [HostKVCache(KVLayout(block_size=8, num_blocks=16, **GEO)) for _ in range(2)]
     pt = RecordingTransport("P-agent", hub)
-    cfg = KVPushConfig(
-        engine_id="P",
-        port=0,
-        post_workers=workers,
-        max_inflight_bytes=2 * REQ_BYTES,
-        lease_s=5.0,
-        ready_timeout_s=8.0,
+    cfg = KVPushConfig.from_mapping(
+        dict(
+            engine_id="P",
+            port=0,
+            post_workers=workers,
+            max_inflight_bytes=2 * REQ_BYTES,
+            lease_s=5.0,
+            ready_timeout_s=8.0,
+        )
     )
     p = PrefillEndpoint(cfg, src.layout, transport=pt)
     ds = [
         DecodeEndpoint(
-            KVPushConfig(engine_id=f"D{i}", lease_s=5.0, ready_timeout_s=8.0),
+            KVPushConfig.from_mapping(dict(engine_id=f"D{i}", lease_s=5.0, ready_timeout_s=8.0)),
             c.layout,
             transport=MemoryTransport(f"D{i}-agent", hub),
         )
@@ -124,7 +126,7 @@ def test_a_write_over_the_budget_goes_alone():
     hub = MemoryHub()
     src = HostKVCache(KVLayout(block_size=4, num_blocks=32, **GEO))
     dst = HostKVCache(KVLayout(block_size=8, num_blocks=16, **GEO))
-    cfg = KVPushConfig(engine_id="P", port=0, post_workers=1, max_inflight_descriptors=1)
+    cfg = KVPushConfig.from_mapping(dict(engine_id="P", port=0, post_workers=1, max_inflight_descriptors=1))
     p = PrefillEndpoint(cfg, src.layout, transport=MemoryTransport("P-agent", hub))
     d = DecodeEndpoint(KVPushConfig(engine_id="D"), dst.layout, transport=MemoryTransport("D-agent", hub))
     try:
@@ -151,6 +153,6 @@ def test_a_write_over_the_budget_goes_alone():
 
 def test_config_bounds_are_checked():
     with pytest.raises(ConfigError):
-        KVPushConfig(post_workers=-1)
+        KVPushConfig.from_mapping(dict(post_workers=-1))
     with pytest.raises(ConfigError):
-        KVPushConfig(max_inflight_bytes=0)
+        KVPushConfig.from_mapping(dict(max_inflight_bytes=0))

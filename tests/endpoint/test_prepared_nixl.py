@@ -50,8 +50,8 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major):
     p_caches = [make_cache(pg.layout(r), "cpu") for r in range(p_tp)]
     d_caches = [make_cache(dg.layout(r), "cpu") for r in range(d_tp)]
     port = _free_port_range(p_tp)
-    pcfg = KVPushConfig(engine_id="P", port=port, lease_s=20.0, ready_timeout_s=30.0)
-    dcfg = KVPushConfig(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0)
+    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=20.0, ready_timeout_s=30.0))
+    dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
     pe = [PrefillEndpoint(pcfg, c.layout) for c in p_caches]
     de = [DecodeEndpoint(dcfg, c.layout) for c in d_caches]
     try:

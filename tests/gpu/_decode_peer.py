@@ -33,7 +33,7 @@ def main() -> int:
     lay = KVLayout(**args["geometry"])
     dst = CudaKVCache(lay)
     staging = HostStaging(dst) if args["mode"] == "staged" else None
-    cfg = KVPushConfig(engine_id="gpu-decode", lease_s=60.0, ready_timeout_s=90.0)
+    cfg = KVPushConfig.from_mapping(dict(engine_id="gpu-decode", lease_s=60.0, ready_timeout_s=90.0))
     if staging is None:
         d = DecodeEndpoint(cfg, dst.layout, "VRAM")
     else:

@@ -73,7 +73,7 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
     torch.cuda.synchronize()
 
     staging = HostStaging(src) if mode == "staged" else None
-    cfg = KVPushConfig(engine_id="gpu-prefill", port=0, lease_s=60.0, ready_timeout_s=90.0)
+    cfg = KVPushConfig.from_mapping(dict(engine_id="gpu-prefill", port=0, lease_s=60.0, ready_timeout_s=90.0))
     if staging is None:
         pe = PrefillEndpoint(cfg, src.layout, "VRAM")
     else:

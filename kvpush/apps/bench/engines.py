@@ -241,10 +241,12 @@ class _PrefillEngine:
 
     def _start_connector(self) -> dict[str, Any]:
         if self.mode == PUSH:
-            from kvpush.config import KVPushConfig
+            from kvpush.config import KVPushConfig, SideChannel
             from kvpush.endpoint import PrefillEndpoint
 
-            cfg = KVPushConfig(engine_id=f"bench-prefill-{self.port}", port=self.port)
+            cfg = KVPushConfig(
+                engine_id=f"bench-prefill-{self.port}", side_channel=SideChannel(port=self.port)
+            )
             self.endpoint = PrefillEndpoint(cfg, self.layout)
             self.endpoint.start()
             host, p = self.endpoint.address
@@ -444,11 +446,12 @@ class _DecodeEngine:
     # ---- connector: start ---------------------------------------------------------------------------
     def _start_connector(self) -> None:
         if self.mode == PUSH:
-            from kvpush.config import KVPushConfig
+            from kvpush.config import KVPushConfig, SideChannel
             from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 
             cfg = KVPushConfig(
-                engine_id=f"bench-decode-{self.prefill_info['port']}", port=self.prefill_info["port"] + 50
+                engine_id=f"bench-decode-{self.prefill_info['port']}",
+                side_channel=SideChannel(port=self.prefill_info["port"] + 50),
             )
             self.endpoint = DecodeEndpoint(cfg, self.layout)
             self.endpoint.start()

@@ -78,7 +78,9 @@ class BlockAllocator:
 
 def _endpoints_config(engine_id: str, port: int, extra: dict[str, Any] | None = None) -> KVPushConfig:
     """The demo's config; `extra`: settings from the demo's flags (post_workers, posted_nudge, ...)."""
-    return KVPushConfig(engine_id=engine_id, port=port, lease_s=60.0, ready_timeout_s=90.0, **(extra or {}))
+    return KVPushConfig.from_mapping(
+        {"engine_id": engine_id, "port": port, "lease_s": 60.0, "ready_timeout_s": 90.0, **(extra or {})}
+    )
 
 
 class BlockMajorHostCache:
