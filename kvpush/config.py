@@ -252,8 +252,26 @@ def _group(cls: type[_Group]) -> Any:
     return msgspec.field(default_factory=cls)
 
 
-class KVPushConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The engine's id and one group per concern; `from_mapping` and `replace` also take flat keys."""
+class _FlatKeywords(msgspec.StructMeta):
+    """Lets `KVPushConfig(port=5601, hmac_key=...)` keep working: flat keywords (and groups given as dicts)
+    are sorted into their groups before the Struct is built. msgspec's own paths (convert, replace) do not
+    call this, so it is the constructor only. Typed code should pass groups; mypy knows only those."""
+
+    def __call__(cls, **kwargs: Any) -> Any:
+        if all(k == "engine_id" or isinstance(v, GROUPS.get(k, ())) for k, v in kwargs.items()):
+            return super().__call__(**kwargs)
+        nested, _ = _nest(kwargs)
+        built: dict[str, Any] = {}
+        for name, value in nested.items():
+            built[name] = GROUPS[name](**value) if name in GROUPS else value
+        return super().__call__(**built)
+
+
+class KVPushConfig(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, metaclass=_FlatKeywords
+):
+    """The engine's id and one group per concern; the constructor, `from_mapping` and `replace` also
+    take today's flat keys (`port=5601` for `side_channel=SideChannel(port=5601)`)."""
 
     engine_id: str = "kvpush"
     side_channel: SideChannel = _group(SideChannel)

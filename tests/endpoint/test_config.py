@@ -74,6 +74,23 @@ def test_every_flat_key_of_before_is_still_accepted_and_lands_in_its_group():
     assert KVPushConfig(engine_id="x").replace(engine_id="e1", **in_code) == config
 
 
+def test_the_constructor_still_takes_every_flat_keyword_as_the_readme_of_before_wrote_it():
+    in_code = {k: IN_CODE.get(k, v) for k, (_, v) in FLAT.items()}
+    assert KVPushConfig(engine_id="e1", **in_code) == KVPushConfig.from_mapping(
+        {"engine_id": "e1", **{k: v for k, (_, v) in FLAT.items()}}
+    )
+    readme = KVPushConfig(engine_id="p0", host="10.0.0.5", port=5600)  # README at 3affa6f, verbatim
+    assert readme.side_channel == SideChannel(host="10.0.0.5", port=5600)
+    mixed = KVPushConfig(engine_id="p0", side_channel=SideChannel(port=1), lease_s=9.0, ready_timeout_s=10.0)
+    assert (mixed.side_channel.port, mixed.leases.lease_s) == (1, 9.0)
+    with pytest.raises(ConfigError, match="did you mean `port`"):
+        KVPushConfig(prot=5600)
+    with pytest.raises(ConfigError, match="both set side_channel.port"):
+        KVPushConfig(port=1, side_channel=SideChannel(port=2))
+    with pytest.raises(ConfigError, match="must exceed lease_s"):
+        KVPushConfig(lease_s=200.0)
+
+
 def test_the_documented_extra_configs_still_load():
     """The kv_connector_extra_config samples of README.md and docs/vllm.md (placeholders filled in)."""
     readme = ConnectorSettings.from_extra("prefill", "p0", {"host": "127.0.0.1", "port": 5600}, 16, 1, 1)
