@@ -88,10 +88,6 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
 
 
-def _free_port_range(n: int) -> int:
-    return free_port_range(n)
-
-
 @dataclass
 class _Req:
     rid: str
@@ -164,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.prefill_block_size, num_blocks=p_blocks, tp_size=args.prefill_tp, **common
     )
     d_geo = Geometry(block_size=args.decode_block_size, num_blocks=d_blocks, tp_size=args.decode_tp, **common)
-    port = args.port or _free_port_range(args.prefill_tp)
+    port = args.port or free_port_range(args.prefill_tp)
 
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
