@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.apps.bench.alloc import blocks_for
+from kvpush.protocol.layout import blocks_for
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -661,7 +661,6 @@ class _DecodeEngine:
                 self.waiting_kv[r.id] = r
                 self._on_alloc(r)
             # ---- execute_model: start_load_kv, forward, get_finished --------------------------------
-            t0 = time.monotonic()
             self._start_load_kv()
             ctx = sum(r.prompt_len + len(r.tokens) for r in self.running)
             _sleep_until(time.monotonic() + cm.decode_step_s(len(self.running), ctx))
@@ -689,7 +688,6 @@ class _DecodeEngine:
                     self.outbox.put({"type": "done", "id": r.id, "tokens": [], "stats": r.stats})
                 else:
                     self.ready.append(r)
-            del t0
 
     def _close(self) -> None:
         if self.mode == PUSH:

@@ -31,6 +31,7 @@ from rich.table import Table
 
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
 from kvpush.apps.ports import free_port_range
+from kvpush.protocol.layout import blocks_for
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -146,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     rng.shuffle(reqs)
     slack = 1.5
-    p_blocks = int(args.window * -(-args.max_tokens // args.prefill_block_size) * slack) + 64
-    d_blocks = int(args.window * -(-args.max_tokens // args.decode_block_size) * slack) + 64
+    p_blocks = int(args.window * blocks_for(args.max_tokens, args.prefill_block_size) * slack) + 64
+    d_blocks = int(args.window * blocks_for(args.max_tokens, args.decode_block_size) * slack) + 64
     common = dict(
         layers=args.layers,
         total_kv_heads=args.kv_heads,

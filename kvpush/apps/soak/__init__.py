@@ -2,14 +2,14 @@
 
 Three real processes on 127.0.0.1 besides this driver: a prefill and a decode engine (each one endpoint over
 NIXL/UCX with a HostKVCache, both keyed with the same HMAC secret) and an attacker that holds no key. The
-driver owns every block pool and hands block tables (fragmented, from `BlockAllocator`; book.py) to the
-engines; it gets each block back only when the owning endpoint reports the request finished, or when the
+driver owns every block pool and hands block tables (fragmented: shuffled runs from `BlockPool`; book.py) to
+the engines; it gets each block back only when the owning endpoint reports the request finished, or when the
 process that held it is killed (its memory died with it). Faults come at random points from a seeded RNG:
-SIGKILL and restart (the prefill on the same port), SIGSTOP/SIGCONT (sometimes past the peer timeout), dropped
-/ duplicated / reordered notifications and slow WRITEs (kvpush.transport.faults.FaultInjectingTransport around
-NixlTransport inside the engines), aborts on both sides, resends with a new attempt, and forged, replayed and
-hijacking frames from the attacker (raw ZeroMQ DEALER; replays come from `FrameTapControl` in tap.py, which
-copies what the decode sends, as an eavesdropper would).
+SIGKILL and restart (the prefill on the same port), SIGSTOP/SIGCONT (sometimes past the peer timeout),
+dropped / duplicated / reordered notifications and slow WRITEs (`FaultInjectingTransport` from
+kvpush/transport/faults.py around NixlTransport inside the engines), aborts on both sides, resends with a
+new attempt, and forged, replayed and hijacking frames from the attacker (raw ZeroMQ DEALER; replays come
+from `FrameTapControl` in tap.py, which copies what the decode sends, as an eavesdropper would).
 
 What is checked, and why each check can fail: the decode compares every byte of every request it
 declares ready with the pattern the prefill wrote (corrupt_bytes); it scrubs blocks to zero when it

@@ -10,7 +10,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvpush.apps.demo.procs import BlockAllocator, Geometry
+from kvpush.apps.blocks import BlockPool, shuffled_runs
+from kvpush.apps.demo.procs import Geometry
 from kvpush.apps.soak.common import MARK
 from kvpush.apps.soak.report import reason_kind
 from kvpush.protocol.layout import blocks_for
@@ -32,13 +33,18 @@ class Req:
     hijacked: bool = False
 
 
+def _pool(num_blocks: int, seed: int) -> BlockPool:
+    """Fragmented tables from the first request: runs of 4 ids in a seeded order, freed as given."""
+    return BlockPool(num_blocks, shuffled_runs(num_blocks, seed, 4), reverse_free=False)
+
+
 class Book:
-    """The requests and the two pools (fragmented tables from `BlockAllocator`), and the failure tallies."""
+    """The requests and the two pools (fragmented tables: `_pool`), and the failure tallies."""
 
     def __init__(self, p_geo: Geometry, d_geo: Geometry, seed: int) -> None:
         self.p_geo, self.d_geo = p_geo, d_geo
-        self.p_alloc = BlockAllocator(p_geo.num_blocks, seed, 4)
-        self.d_alloc = BlockAllocator(d_geo.num_blocks, seed + 1, 4)
+        self.p_alloc = _pool(p_geo.num_blocks, seed)
+        self.d_alloc = _pool(d_geo.num_blocks, seed + 1)
         self.reqs: dict[str, Req] = {}
         self.source_blocks: dict[str, list[int]] = {}  # request -> source blocks the prefill holds
         self.reasons: Counter[str] = Counter()
@@ -57,9 +63,9 @@ class Book:
     def open(self, rid: str, n: int, tag: int, p_gen: int) -> list[int] | None:
         """A new request and its source blocks, held by prefill incarnation `p_gen`; None, and nothing
         taken, unless both pools can hold it."""
-        if len(self.p_alloc.free) < blocks_for(n, self.p_geo.block_size) or len(
-            self.d_alloc.free
-        ) < blocks_for(n, self.d_geo.block_size):
+        if self.p_alloc.num_free < blocks_for(n, self.p_geo.block_size) or self.d_alloc.num_free < blocks_for(
+            n, self.d_geo.block_size
+        ):
             return None
         r = Req(rid, n, tag)
         self.reqs[rid] = r
@@ -71,7 +77,7 @@ class Book:
     def lend_decode(self, r: Req, d_gen: int) -> list[int] | None:
         """Fresh decode blocks for `r` (a first attempt or a resend), held by decode incarnation `d_gen`."""
         need = blocks_for(r.n, self.d_geo.block_size)
-        if len(self.d_alloc.free) < need:
+        if self.d_alloc.num_free < need:
             return None
         blocks = self.d_alloc.allocate(need)
         r.last_blocks = tuple(blocks)
@@ -83,14 +89,14 @@ class Book:
         """Incarnation `gen` of `role` was killed: every block it held is back, its requests settle."""
         for r in self.reqs.values():
             if role == "prefill" and r.p_gen == gen:
-                self.p_alloc.release(self.source_blocks.pop(r.rid))
+                self.p_alloc.free(self.source_blocks.pop(r.rid))
                 r.p_gen, r.p_reason = -1, "prefill process killed"
                 self._settle(r)
             if role == "decode":
                 for blocks, held_by in list(r.d_held.items()):
                     if held_by == gen:
                         del r.d_held[blocks]
-                        self.d_alloc.release(list(blocks))
+                        self.d_alloc.free(list(blocks))
                         if blocks == r.last_blocks:
                             r.outcome, r.reason = "failed", "decode process killed"
             self._settle(r)
@@ -103,7 +109,7 @@ class Book:
             self.log.append(f"prefill returned blocks it did not hold: {rid} {blocks}")
             return
         del self.source_blocks[rid]
-        self.p_alloc.release(blocks)
+        self.p_alloc.free(blocks)
         r.p_gen, r.p_reason = -1, reason
         self._hijacked(r, reason)
         self._settle(r)
@@ -119,7 +125,7 @@ class Book:
             self.log.append(f"decode returned blocks it did not hold: {rid} {blocks}")
             return
         del r.d_held[key]
-        self.d_alloc.release(blocks)
+        self.d_alloc.free(blocks)
         for b in blocks:
             self.d_history[b] = f"{rid} {'ok' if ok else reason[:80]} at {time.monotonic() - self.t0:.2f}s"
         self.corrupt += wrong
@@ -153,7 +159,7 @@ class Book:
             self.reasons[kind] += 1
             self.examples.setdefault(kind, (r.reason or r.p_reason)[:300])
 
-    def leaked(self, alloc: BlockAllocator, total: int) -> tuple[int, int]:
+    def leaked(self, alloc: BlockPool, total: int) -> tuple[int, int]:
         """(blocks missing from the pool, blocks in its free list twice)."""
-        free = alloc.free
+        free = alloc.free_ids()
         return total - len(set(free)), len(free) - len(set(free))

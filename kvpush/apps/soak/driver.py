@@ -156,7 +156,7 @@ class Soak:
         target = self.rng.choice(live) if live else None
         if target is not None:
             target.attacked = True
-        blocks = self.book.d_alloc.free[: self.rng.randint(1, 4)]
+        blocks = self.book.d_alloc.free_ids()[: self.rng.randint(1, 4)]
         rid = target.rid if target else "req-0"
         self.kids.send(self.kids.attacker, ("attack", kind, rid, blocks, self.captured))
         self.faults[kind] += 1
@@ -229,15 +229,15 @@ class Soak:
         assert kids.prefill is not None and kids.decode is not None
         p_reply = kids.ask(kids.prefill, ("stats",)) or ("stats", {}, -1)
         d_reply = kids.ask(kids.decode, ("stats",)) or ("stats", {}, -1)
-        audit = kids.ask(kids.decode, ("audit", list(book.d_alloc.free)))
+        audit = kids.ask(kids.decode, ("audit", book.d_alloc.free_ids()))
         end_dirty = int(audit[1]) if audit else 0
         if end_dirty and audit:
             book.log.append(f"{end_dirty} non-zero bytes in the decode's free blocks at the end")
             for b in audit[2][:8]:
                 book.log.append(f"  dirty block {b}, last returned by {book.d_history.get(b, '?')}")
         book.stale += end_dirty
-        if self.check == "leak" and book.p_alloc.free:
-            book.p_alloc.free.pop()  # self-check: the driver loses one block
+        if self.check == "leak" and book.p_alloc.num_free:
+            book.p_alloc.lose()  # self-check: the driver loses one block
         return build_report(self, elapsed, p_reply, d_reply)
 
     def close(self) -> None:
