@@ -63,13 +63,12 @@ class Book:
     def open(self, rid: str, n: int, tag: int, p_gen: int) -> list[int] | None:
         """A new request and its source blocks, held by prefill incarnation `p_gen`; None, and nothing
         taken, unless both pools can hold it."""
-        if self.p_alloc.num_free < blocks_for(n, self.p_geo.block_size) or self.d_alloc.num_free < blocks_for(
-            n, self.d_geo.block_size
-        ):
+        p_need, d_need = blocks_for(n, self.p_geo.block_size), blocks_for(n, self.d_geo.block_size)
+        if not (self.p_alloc.can_allocate(p_need) and self.d_alloc.can_allocate(d_need)):
             return None
         r = Req(rid, n, tag)
         self.reqs[rid] = r
-        blocks = self.p_alloc.allocate(blocks_for(n, self.p_geo.block_size))
+        blocks = self.p_alloc.allocate(p_need)
         self.source_blocks[rid] = blocks
         r.p_gen = p_gen
         return blocks
@@ -77,7 +76,7 @@ class Book:
     def lend_decode(self, r: Req, d_gen: int) -> list[int] | None:
         """Fresh decode blocks for `r` (a first attempt or a resend), held by decode incarnation `d_gen`."""
         need = blocks_for(r.n, self.d_geo.block_size)
-        if self.d_alloc.num_free < need:
+        if not self.d_alloc.can_allocate(need):
             return None
         blocks = self.d_alloc.allocate(need)
         r.last_blocks = tuple(blocks)
