@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("kvpush.apps.cluster", "find and check the AWS test cluster's nodes"),
     "doctor": ("kvpush.apps.doctor", "what this host offers kvpush; the memory path and transport it picks"),
     "fuzz": ("kvpush.apps.fuzz", "throw N mutated frames at every wire decode path; 0 crashes expected"),
-    "soak": ("kvpush.apps.soak", "chaos soak over real NIXL: kills, stops, lost notifs, attackers; 0 leaks"),
+    "soak": (
+        "kvpush.apps.soak.cli",
+        "chaos soak over real NIXL: kills, stops, lost notifs, attackers; 0 leaks",
+    ),
 }
 
 

@@ -40,8 +40,8 @@ def test_posted_descriptors_in_order_vs_sorted() -> None:
 def test_sorted_descriptor_count_matches_the_planner() -> None:
     import numpy as np
 
-    from kvpush.apps.bench.alloc import BlockPool, blocks_for
-    from kvpush.protocol.layout import packed_planes
+    from kvpush.apps.blocks import BlockPool
+    from kvpush.protocol.layout import blocks_for, packed_planes
     from kvpush.protocol.plan import build_plan
 
     cm = CostModel.load()

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from kvpush.apps.demo.cli import _free_port_range
 from kvpush.apps.demo.pattern import count_wrong_bytes, fill
 from kvpush.apps.demo.procs import Geometry, make_cache
+from kvpush.apps.ports import free_port_range as _free_port_range
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpush.apps.bench.engines import MODES, PUSH
+from kvpush.apps.bench.steps import MODES, PUSH
 
 QUICK = {
     "qps": "1,8",

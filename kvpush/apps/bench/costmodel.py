@@ -84,10 +84,6 @@ class CostModel:
         return float(ms / 1e3)
 
     @property
-    def empty_step_s(self) -> float:
-        return float(self._get("decode", "empty_step_ms")) / 1e3
-
-    @property
     def prefill_budget(self) -> int:
         return int(self._get("prefill", "max_num_batched_tokens"))
 
@@ -101,7 +97,8 @@ class CostModel:
 
     def aged_pool(self, role: str) -> Any:
         """The role's BlockPool, churned like a server that has run for a while ([emulation] aging)."""
-        from kvpush.apps.bench.alloc import BlockPool, blocks_for
+        from kvpush.apps.blocks import BlockPool
+        from kvpush.protocol.layout import blocks_for
 
         lay = self.layout(role)
         pool = BlockPool(lay.num_blocks)

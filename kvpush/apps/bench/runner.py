@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.apps.bench.engines import PUSH, decode_main, prefill_main
+from kvpush.apps.bench.engines import decode_main, prefill_main
+from kvpush.apps.bench.steps import PUSH
 
 
 class BenchError(RuntimeError):

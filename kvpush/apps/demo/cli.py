@@ -31,6 +31,7 @@ from rich.table import Table
 
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
 from kvpush.apps.ports import free_port_range
+from kvpush.protocol.layout import blocks_for
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -86,10 +87,6 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="prefill sends no Posted nudge after posting (config posted_nudge=False)",
     )
     p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
-
-
-def _free_port_range(n: int) -> int:
-    return free_port_range(n)
 
 
 @dataclass
@@ -150,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     rng.shuffle(reqs)
     slack = 1.5
-    p_blocks = int(args.window * -(-args.max_tokens // args.prefill_block_size) * slack) + 64
-    d_blocks = int(args.window * -(-args.max_tokens // args.decode_block_size) * slack) + 64
+    p_blocks = int(args.window * blocks_for(args.max_tokens, args.prefill_block_size) * slack) + 64
+    d_blocks = int(args.window * blocks_for(args.max_tokens, args.decode_block_size) * slack) + 64
     common = dict(
         layers=args.layers,
         total_kv_heads=args.kv_heads,
@@ -164,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.prefill_block_size, num_blocks=p_blocks, tp_size=args.prefill_tp, **common
     )
     d_geo = Geometry(block_size=args.decode_block_size, num_blocks=d_blocks, tp_size=args.decode_tp, **common)
-    port = args.port or _free_port_range(args.prefill_tp)
+    port = args.port or free_port_range(args.prefill_tp)
 
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import random
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -17,11 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.apps.blocks import BlockPool, shuffled_runs
 from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.protocol.layout import KVLayout, TokenOrder, packed_planes
+from kvpush.protocol.layout import KVLayout, TokenOrder, blocks_for, packed_planes
 from kvpush.protocol.plan import build_plan
 
 
@@ -50,30 +50,6 @@ class Geometry:
             token_order=self.token_order,
             block_major=self.block_major,
         )
-
-
-class BlockAllocator:
-    """Free list in shuffled runs of `run` blocks: tables come out fragmented, as in a busy engine."""
-
-    def __init__(self, num_blocks: int, seed: int, run: int) -> None:
-        rng = random.Random(seed)
-        if run <= 1:
-            order = list(range(num_blocks))
-            rng.shuffle(order)
-        else:
-            runs = [list(range(s, min(s + run, num_blocks))) for s in range(0, num_blocks, run)]
-            rng.shuffle(runs)
-            order = [b for r in runs for b in r]
-        self.free = order
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self.free):
-            raise MemoryError(f"need {n} blocks, {len(self.free)} free")
-        out, self.free = self.free[:n], self.free[n:]
-        return out
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
 
 
 def _endpoints_config(engine_id: str, port: int, extra: dict[str, Any] | None = None) -> KVPushConfig:
@@ -119,13 +95,13 @@ def make_cache(layout: KVLayout, device: str) -> Any:
     return HostKVCache(layout)
 
 
-def _stats_reply(eps: list[Any], alloc: BlockAllocator, geo: Geometry) -> tuple[Any, ...]:
+def _stats_reply(eps: list[Any], alloc: BlockPool, geo: Geometry) -> tuple[Any, ...]:
     """Counters summed over this process's ranks, and how many blocks are free (all, if none leaked)."""
     agg: dict[str, int] = {}
     for ep in eps:
         for k, v in ep.stats().items():
             agg[k] = agg.get(k, 0) + v
-    return ("stats", agg, len(alloc.free), geo.num_blocks)
+    return ("stats", agg, alloc.num_free, geo.num_blocks)
 
 
 def _shut_down(conn: Connection, eps: list[Any], raw: Any) -> None:
@@ -207,7 +183,7 @@ def prefill_main(
     eps = [PrefillEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
         ep.start()
-    alloc = BlockAllocator(geo.num_blocks, seed, run)
+    alloc = BlockPool(geo.num_blocks, shuffled_runs(geo.num_blocks, seed, run), reverse_free=False)
     live: dict[str, tuple[list[int], int, set[int], list[str], dict[str, float]]] = {}
     raw: Any = None
     conn.send(("up", eps[0].address))
@@ -218,7 +194,7 @@ def prefill_main(
                 kind = cmd[0]
                 if kind == "prepare":  # the "compute": allocate and write this request's KV
                     _, rid, n, tag = cmd
-                    blocks = alloc.allocate(-(-n // geo.block_size))
+                    blocks = alloc.allocate(blocks_for(n, geo.block_size))
                     for c in caches:
                         host = c.to_host()
                         fill(host, c.layout, blocks, n, tag)
@@ -264,7 +240,7 @@ def prefill_main(
                         entry[4].update(res.timeline)
                     if len(entry[2]) == len(eps):
                         del live[res.request_id]
-                        alloc.release(entry[0])
+                        alloc.free(entry[0])
                         conn.send(("released", res.request_id, not entry[3], "; ".join(entry[3]), entry[4]))
     finally:
         _shut_down(conn, eps, raw)
@@ -278,7 +254,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
     eps = [DecodeEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
         ep.start()
-    alloc = BlockAllocator(geo.num_blocks, seed + 1, run)
+    alloc = BlockPool(geo.num_blocks, shuffled_runs(geo.num_blocks, seed + 1, run), reverse_free=False)
     live: dict[str, dict[str, Any]] = {}
     raw: Any = None
     conn.send(("up", None))
@@ -294,7 +270,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                     conn.send(("connected",))
                 elif kind == "expect":
                     _, rid, n, tag, (host, port) = cmd
-                    blocks = alloc.allocate(-(-n // geo.block_size))
+                    blocks = alloc.allocate(blocks_for(n, geo.block_size))
                     live[rid] = {"blocks": blocks, "n": n, "tag": tag, "done": {}, "at": time.monotonic()}
                     addr = PrefillAddress("demo-prefill", host, port, prefill_tp)
                     for ep in eps:
@@ -312,7 +288,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                     for h, c in zip(hosts, caches, strict=True):
                         scrub(h, c.layout, entry["blocks"])
                         c.from_host(h)
-                    alloc.release(entry["blocks"])
+                    alloc.free(entry["blocks"])
                     conn.send(("verified", cmd[1], wrong))
                 elif kind == "raw_md":
                     raw = raw or _raw_transport("demo-raw-decode", caches[0])

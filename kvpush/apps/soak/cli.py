@@ -1,0 +1,63 @@
+"""`kvpush soak`: the flags, the run, the JSON report and the summary table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from typing import Any
+
+from kvpush.apps.soak.common import SELF_CHECKS
+from kvpush.apps.soak.driver import Soak
+from kvpush.apps.soak.report import print_report
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--faults", choices=["all", "none"], default="all")
+    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--window", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--fault-rate", type=float, default=0.08, help="driver faults per request, on top")
+    p.add_argument("--prefill-blocks", type=int, default=1024)
+    p.add_argument("--decode-blocks", type=int, default=640)
+    p.add_argument(
+        "--self-check",
+        choices=["", *SELF_CHECKS],
+        default="",
+        help="break the harness on purpose (a wrong byte, a late byte, a lost block, an accepted "
+        "handshake) to see the matching counter rise",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    args.argv = getattr(args, "argv", None) or _argv(args)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "ERROR")
+    soak = Soak(args)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        report = soak.run()
+    finally:
+        soak.close()
+        signal.signal(signal.SIGTERM, previous)
+    if args.json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
+        with open(args.json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return print_report(report, args)
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    out = ["--requests", str(args.requests), "--faults", args.faults, "--seed", str(args.seed)]
+    if args.json_path:
+        out += ["--json", args.json_path]
+    if args.self_check:
+        out += ["--self-check", args.self_check]
+    return out
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt

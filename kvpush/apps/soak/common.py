@@ -1,0 +1,60 @@
+"""What the soak's driver and its child processes agree on: identities, the shared key, the fault kinds,
+and the small geometry and short timeouts that let a 2-core box cycle through many faults."""
+
+from __future__ import annotations
+
+from kvpush.apps.demo.procs import Geometry
+from kvpush.config import KVPushConfig, Leases, Liveness, Security, SideChannel
+from kvpush.transport.faults import FAULT_KINDS as TRANSPORT_FAULTS
+
+PREFILL_ID, DECODE_ID = "soak-prefill", "soak-decode"
+MARK = "soak-attacker"  # the attacker's abort reason: an honest request ending with it was hijacked
+KEY = b"kvpush-soak-shared-secret-32byte"
+DRIVER_FAULTS = (
+    "kill_prefill",
+    "kill_decode",
+    "stop_prefill",
+    "stop_decode",
+    "abort_decode",
+    "abort_prefill",
+    "resend",
+    "forged",
+    "replayed",
+    "hijack",
+)
+FAULT_KINDS = DRIVER_FAULTS + TRANSPORT_FAULTS
+SELF_CHECKS = ("corrupt", "stale", "leak", "unauthorized")
+# the transport faults' rates with --faults all (per notification or per WRITE)
+TRANSPORT_RATES = {
+    "notif_drop": 0.02,
+    "notif_dup": 0.03,
+    "notif_reorder": 0.04,
+    "slow_write_complete": 0.03,
+    "slow_write_post": 0.03,
+}
+
+
+def soak_geometry(block_size: int, num_blocks: int) -> Geometry:
+    """Small caches (2 KiB per token) so a 2-core box moves many requests; the pattern checks every byte."""
+    return Geometry(
+        layers=4,
+        total_kv_heads=2,
+        head_dim=64,
+        dtype_size=2,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        tp_size=1,
+    )
+
+
+def soak_config(engine_id: str, port: int) -> KVPushConfig:
+    """Short leases and timeouts so a request that a fault stranded comes back within seconds."""
+    return KVPushConfig(
+        engine_id=engine_id,
+        side_channel=SideChannel(port=port),
+        security=Security(hmac_key=KEY),
+        leases=Leases(
+            lease_s=2.0, ready_timeout_s=3.0, write_timeout_s=0.8, write_linger_s=0.3, tombstone_s=30.0
+        ),
+        liveness=Liveness(ping_interval_s=0.25, peer_timeout_s=1.5, handshake_timeout_s=3.0),
+    )

@@ -1,0 +1,244 @@
+"""The soak's driver: starts requests, injects the driver-level faults at seeded random points, and
+drains the run until every block is back.
+
+The driver owns every block pool and hands block tables to the engines (`Book`); the child processes and
+their messages are `Children`'s; the figures are `report`'s."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import Counter
+from typing import Any
+
+from kvpush.apps.ports import free_port_range
+from kvpush.apps.soak.book import Book, Req
+from kvpush.apps.soak.children import Children, Proc
+from kvpush.apps.soak.common import DRIVER_FAULTS, TRANSPORT_RATES, soak_config, soak_geometry
+from kvpush.apps.soak.report import build_report
+
+
+class Soak:
+    """The parent: owns the pools, starts requests, injects the driver-level faults, collects results."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.check: str = args.self_check
+        rates = dict(TRANSPORT_RATES) if args.faults == "all" else {}
+        self.book = Book(
+            soak_geometry(16, args.prefill_blocks), soak_geometry(32, args.decode_blocks), args.seed
+        )
+        self.kids = Children(
+            self.book.p_geo,
+            self.book.d_geo,
+            free_port_range(1),
+            rates,
+            args.seed,
+            self.check,
+            on_message=self._on_message,
+            on_tick=self._on_tick,
+        )
+        self.faults: Counter[str] = Counter()
+        self.attacks: Counter[str] = Counter()  # attacker frames sent, by attack kind
+        self.captured: list[bytes] = []
+        self.captures = 0
+        self.hello_answers = 0  # Hellos the prefill answered to the attacker (they bind nothing)
+        self.pending_attacks: list[tuple[float, str]] = []  # (when, kind)
+
+    # -- messages ----------------------------------------------------------------------------------
+    def pump(self, timeout: float) -> None:
+        self.kids.pump(timeout)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        for at, kind in list(self.pending_attacks):
+            if now >= at:
+                self.pending_attacks.remove((at, kind))
+                self.attack(kind)
+
+    def _on_message(self, p: Proc, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "faults":
+            self.faults.update(msg[1])
+        elif kind == "released" and p is self.kids.prefill:
+            _, rid, _ok, reason, blocks = msg
+            self.book.on_released(p.gen, rid, reason, blocks)
+        elif kind == "result" and p is self.kids.decode:
+            _, rid, ok, reason, blocks, wrong, known = msg
+            self.book.on_result(p.gen, rid, ok, reason, blocks, wrong, known)
+        elif kind == "stale":
+            self.book.on_stale(msg[1], msg[2], msg[3])
+        elif kind == "captured":
+            self.captured, self.captures = msg[1], self.captures + 1
+        elif kind == "attacked":
+            _, what, nframes, accepted = msg
+            self.attacks[what] += nframes
+            if accepted:  # harmless unless it had an effect (counted where the effect shows)
+                self.hello_answers += accepted
+                self.book.log.append(f"attacker's {what} frames got {accepted} Hello answer(s)")
+
+    # -- requests and faults -----------------------------------------------------------------------
+    def start_request(self, i: int) -> bool:
+        assert self.kids.prefill is not None and self.kids.decode is not None
+        n = self.rng.randint(16, self.args.max_tokens)
+        rid = f"req-{i}"
+        p_blocks = self.book.open(rid, n, i + 1, self.kids.prefill.gen)
+        if p_blocks is None:
+            return False
+        r = self.book.reqs[rid]
+        prefill_cmd = ("prefill", r.rid, p_blocks, n, r.tag)
+        if self.rng.random() < 0.5:
+            self._expect(r)
+            self.kids.send(self.kids.prefill, prefill_cmd)
+        else:
+            self.kids.send(self.kids.prefill, prefill_cmd)
+            self._expect(r)
+        return True
+
+    def _expect(self, r: Req) -> bool:
+        assert self.kids.decode is not None
+        blocks = self.book.lend_decode(r, self.kids.decode.gen)
+        if blocks is None:
+            return False
+        self.kids.send(self.kids.decode, ("expect", r.rid, blocks, r.n, r.tag))
+        return True
+
+    def inject(self, kind: str) -> None:
+        prefill, decode = self.kids.prefill, self.kids.decode
+        assert prefill is not None and decode is not None
+        live = self.book.live()
+        if kind in ("kill_prefill", "kill_decode"):
+            role = "prefill" if kind == "kill_prefill" else "decode"
+            self.kids.restart(role, lambda gen: self.book.reclaim(role, gen))
+        elif kind in ("stop_prefill", "stop_decode"):
+            if not self._stop(prefill if kind == "stop_prefill" else decode):
+                return
+        elif kind == "abort_decode":
+            cands = [r for r in live if r.d_held]
+            if not cands:
+                return
+            self.kids.send(decode, ("abort", self.rng.choice(cands).rid))
+        elif kind == "abort_prefill":
+            cands = [r for r in live if r.p_gen >= 0]
+            if not cands:
+                return
+            self.kids.send(prefill, ("abort", self.rng.choice(cands).rid))
+        elif kind == "resend":
+            cands = [r for r in live if r.last_blocks in r.d_held]
+            if not cands or not self._expect(self.rng.choice(cands)):
+                return
+        else:
+            self.attack(kind)
+            return
+        self.faults[kind] += 1
+
+    def _stop(self, p: Proc) -> bool:
+        """SIGSTOP a child, sometimes past the peer timeout; False if it is stopped already."""
+        if p.stopped_until:
+            return False
+        cfg = soak_config("x", 0)
+        span = self.rng.uniform(0.1, 2.5 * cfg.liveness.peer_timeout_s)
+        is_decode = p is self.kids.decode
+        if is_decode:
+            self.capture()
+        self.kids.freeze(p, span)
+        if is_decode and span > cfg.liveness.peer_timeout_s + 0.5 and self.rng.random() < 0.7:
+            # the victim looks gone: try its captured Hello now, when a rebind would be accepted
+            self.pending_attacks.append((time.monotonic() + cfg.liveness.peer_timeout_s + 0.2, "replayed"))
+        return True
+
+    def attack(self, kind: str) -> None:
+        assert self.kids.decode is not None and self.kids.attacker is not None
+        self.capture()
+        live = [r for r in self.book.live() if r.d_held and (kind != "self_check" or r.p_gen >= 0)]
+        target = self.rng.choice(live) if live else None
+        if target is not None:
+            target.attacked = True
+        blocks = self.book.d_alloc.free_ids()[: self.rng.randint(1, 4)]
+        rid = target.rid if target else "req-0"
+        self.kids.send(self.kids.attacker, ("attack", kind, rid, blocks, self.captured))
+        self.faults[kind] += 1
+
+    def capture(self) -> None:
+        """The decode's latest sent frames (the last capture is kept while the decode is stopped)."""
+        assert self.kids.decode is not None
+        if self.kids.decode.stopped_until:
+            return
+        self.kids.send(self.kids.decode, ("capture",))
+        seen, deadline = self.captures, time.monotonic() + 1.0
+        while self.captures == seen and time.monotonic() < deadline:
+            self.pump(0.02)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        t0 = self.book.t0 = time.monotonic()
+        self.kids.start()
+        n = self.args.requests
+        schedule = self._schedule(n)
+        i = 0
+        while i < n:
+            self.pump(0.002)
+            if len(self.book.live()) >= self.args.window:
+                continue
+            if not self.start_request(i):
+                continue
+            for kind in schedule.get(i, []):
+                self.inject(kind)
+            i += 1
+        self._drain()
+        return self._report(time.monotonic() - t0)
+
+    def _schedule(self, n: int) -> dict[int, list[str]]:
+        """Every kind at least once (spread over the run), then more at random: faults at random points."""
+        out: dict[int, list[str]] = {}
+        if self.check == "unauthorized":  # self-check: a key holder's abort, a few times
+            for k in range(6):
+                out.setdefault(int(n * (0.2 + 0.1 * k)), []).append("self_check")
+        if self.args.faults != "all":
+            return out
+        kinds = list(DRIVER_FAULTS)
+        self.rng.shuffle(kinds)
+        for k, kind in enumerate(kinds):
+            at = int(n * (0.05 + 0.85 * (k + self.rng.random()) / len(kinds)))
+            out.setdefault(min(at, n - 1), []).append(kind)
+        for i in range(n):
+            if self.rng.random() < self.args.fault_rate:
+                out.setdefault(i, []).append(self.rng.choice(DRIVER_FAULTS))
+        return out
+
+    def _drain(self) -> None:
+        """Let every lease, fence and stop pass; then every block must be back."""
+        cfg = soak_config("x", 0)
+        bound = cfg.leases.ready_timeout_s + cfg.leases.write_bound_s + 2 * cfg.liveness.peer_timeout_s + 5.0
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline and (self.book.live() or self.pending_attacks):
+            self.pump(0.02)
+        self.kids.thaw_all()
+        self.pump(0.05)
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline and self.book.live():
+            self.pump(0.02)
+        for r in self.book.live():
+            self.book.log.append(f"still held at the end: {r.rid} prefill gen {r.p_gen}, decode {r.d_held}")
+
+    def _report(self, elapsed: float) -> dict[str, Any]:
+        """Ask both engines for their counters and the decode for an audit of its free blocks."""
+        kids, book = self.kids, self.book
+        assert kids.prefill is not None and kids.decode is not None
+        p_reply = kids.ask(kids.prefill, ("stats",)) or ("stats", {}, -1)
+        d_reply = kids.ask(kids.decode, ("stats",)) or ("stats", {}, -1)
+        audit = kids.ask(kids.decode, ("audit", book.d_alloc.free_ids()))
+        end_dirty = int(audit[1]) if audit else 0
+        if end_dirty and audit:
+            book.log.append(f"{end_dirty} non-zero bytes in the decode's free blocks at the end")
+            for b in audit[2][:8]:
+                book.log.append(f"  dirty block {b}, last returned by {book.d_history.get(b, '?')}")
+        book.stale += end_dirty
+        if self.check == "leak" and book.p_alloc.num_free:
+            book.p_alloc.lose()  # self-check: the driver loses one block
+        return build_report(self, elapsed, p_reply, d_reply)
+
+    def close(self) -> None:
+        self.kids.close()

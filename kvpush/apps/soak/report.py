@@ -1,0 +1,115 @@
+"""The soak's figures: what a failed request's reason was (its kind), the report the run ends with, and
+the table `kvpush soak` prints. FAIL_ON lists the figures that must be zero."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING, Any
+
+from kvpush.apps.soak.common import FAULT_KINDS, MARK
+
+if TYPE_CHECKING:
+    from kvpush.apps.soak.driver import Soak
+
+FAIL_ON = (
+    "leaked_blocks_prefill",
+    "leaked_blocks_decode",
+    "corrupt_bytes",
+    "stale_writes",
+    "unauthorized_accepted",
+)
+
+# (kind, words): the first kind one of whose words the reason contains
+_REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attacker", (MARK,)),
+    ("process_killed", ("process killed",)),
+    ("aborted_by_decode", ("aborted by the decode",)),
+    ("aborted_by_prefill", ("aborted by the prefill",)),
+    ("superseded", ("superseded",)),
+    ("peer_gone_or_restarted", ("is gone", "restarted", "new instance", "replaced")),
+    ("peer_silent", ("silent",)),
+    ("write_abandoned", ("abandoned",)),
+    ("expired", ("expir", "lease")),
+    ("timed_out", ("timed out",)),
+    ("source_released", ("already released", "already finished")),
+    ("refused", ("refused", "hello", "identity", "not_allowed")),
+    ("endpoint_closed", ("closed",)),
+    ("wrong_bytes", ("wrong bytes",)),
+)
+
+
+def reason_kind(reason: str) -> str:
+    """A failure reason's kind, for the report (reasons carry ids and numbers; kinds do not)."""
+    text = reason.lower()
+    for kind, words in _REASON_KINDS:
+        if any(w in text for w in words):
+            return kind
+    return "other"
+
+
+def build_report(
+    soak: Soak, elapsed: float, p_reply: tuple[Any, ...], d_reply: tuple[Any, ...]
+) -> dict[str, Any]:
+    """The run's figures; p_reply and d_reply are the engines' ("stats", counters, pending) answers."""
+    book, kids, args = soak.book, soak.kids, soak.args
+    p_leak, p_dup = book.leaked(book.p_alloc, book.p_geo.num_blocks)
+    d_leak, d_dup = book.leaked(book.d_alloc, book.d_geo.num_blocks)
+    reqs = list(book.reqs.values())
+    return {
+        "command": "kvpush soak " + " ".join(args.argv),
+        "seed": args.seed,
+        "requests": len(reqs),
+        "completed": sum(1 for r in reqs if r.outcome == "completed"),
+        "failed_with_reason": {
+            "count": sum(1 for r in reqs if r.outcome == "failed"),
+            "by_kind": dict(sorted(book.reasons.items())),
+            "examples": book.examples,
+        },
+        "unsettled": len(book.live()),
+        "leaked_blocks_prefill": p_leak,
+        "leaked_blocks_decode": d_leak,
+        "double_returned_blocks": p_dup + d_dup + book.double_freed,
+        "corrupt_bytes": book.corrupt,
+        "stale_writes": book.stale,
+        "unauthorized_accepted": book.unauthorized,
+        "faults_injected": {k: soak.faults.get(k, 0) for k in FAULT_KINDS},
+        "attacker_frames_sent": dict(soak.attacks),
+        "attacker_hello_answers": soak.hello_answers,
+        "restarts": {"prefill": kids.gens["prefill"] - 1, "decode": kids.gens["decode"] - 1},
+        "endpoint_pending_at_end": {"prefill": p_reply[2], "decode": d_reply[2]},
+        "prefill_stats": p_reply[1],
+        "decode_stats": d_reply[1],
+        "elapsed_s": round(elapsed, 1),
+        "requests_per_s": round(len(reqs) / max(elapsed, 1e-9), 2),
+        "load_average": list(os.getloadavg()),
+        "self_check": soak.check or None,
+        "notes": book.log[:50],
+    }
+
+
+def print_report(report: dict[str, Any], args: argparse.Namespace) -> int:
+    """The summary table and the first notes; 1 if a figure that must be zero is not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"kvpush soak: {report['requests']} requests, faults {args.faults}, seed {args.seed}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key in ("requests", "completed", "unsettled", *FAIL_ON, "double_returned_blocks"):
+        table.add_row(key, str(report[key]))
+    table.add_row("failed", str(report["failed_with_reason"]["count"]))
+    for kind, count in report["failed_with_reason"]["by_kind"].items():
+        table.add_row(f"  failed: {kind}", str(count))
+    for kind, count in report["faults_injected"].items():
+        table.add_row(f"  fault: {kind}", str(count))
+    table.add_row("elapsed s / requests per s", f"{report['elapsed_s']} / {report['requests_per_s']}")
+    console.print(table)
+    for line in report["notes"][:10]:
+        console.print(f"[yellow]{line}")
+    bad = [k for k in (*FAIL_ON, "double_returned_blocks", "unsettled") if report[k]]
+    if bad:
+        console.print(f"[red]soak failed: {', '.join(bad)} not zero")
+        return 1
+    return 0
