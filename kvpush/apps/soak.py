@@ -181,6 +181,9 @@ class FaultInjectingTransport:
     ) -> XferHandle:
         return self._slow(lambda: self.inner.post_prepared(local, local_idx, remote, remote_idx, notif))
 
+    def made_at(self) -> float | None:
+        return self.inner.made_at()
+
     def release_prepared(self, plist: PreparedList) -> None:
         self.inner.release_prepared(plist)
 

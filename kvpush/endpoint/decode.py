@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -62,9 +62,17 @@ from ..protocol.wire import (
     TransferFailed,
     split_frame,
 )
-from ..transport.base import Transport
-from .base import Endpoint, EndpointWorker, PrefillAddress, RecvResult, TransferHooks, checked_blocks
+from .base import (
+    Endpoint,
+    EndpointThread,
+    PrefillAddress,
+    RecvResult,
+    TransferHooks,
+    TransportSource,
+    checked_blocks,
+)
 from .control import ControlChannel, ControlPlane
+from .stats import Count
 
 log = logging.getLogger("kvpush")
 
@@ -90,7 +98,7 @@ class _PrefillPeer:
 MAX_BACKLOG = 4096  # messages waiting for one prefill rank's handshake answer
 
 
-class ReceiveWorker(EndpointWorker[RecvResult]):
+class ReceiveThread(EndpointThread[RecvResult]):
     name = "kvpush-recv"
     role = "decode"
 
@@ -162,7 +170,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
         peer = self.by_agent.get(peer_name)
         if peer is None or peer.session is None:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
             return
         session = peer.session
@@ -171,7 +179,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             return
         peer.last_heard = now
         if isinstance(msg, TransferDone | TransferFailed) and msg.prefill_rank != peer.rank:
-            self.ledger.add("refused")
+            self.ledger.add(Count.REFUSED)
             log.warning(
                 "kvpush decode: agent %s (prefill rank %s) reported for rank %s: dropped",
                 ascii(peer_name),
@@ -185,7 +193,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self.announced.pop((msg.request_id, msg.prefill_rank), None)
             self._apply(self.state.on_failed(msg, now))
         else:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning(
                 "kvpush decode: unexpected %s notification from %s", type(msg).__name__, ascii(peer_name)
             )
@@ -202,7 +210,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 continue
             why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
-                self.ledger.add("peers_gone")
+                self.ledger.add(Count.PEERS_GONE)
                 if peer.channel.peer_closed():
                     why = f"it closed the side channel; {why}"
                     self._apply(self.state.on_peer_gone(peer.rank, why, now))
@@ -270,14 +278,14 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         elif isinstance(msg, Posted) and peer.session is not None:
             # a hint only: poll fast for that notification while the request is still waited for
             if msg.prefill_rank == peer.rank and self.state.tracks(msg.request_id):
-                self.ledger.add("nudges")
+                self.ledger.add(Count.NUDGES)
                 self.announced[(msg.request_id, peer.rank)] = now + self.config.write_timeout_s
         elif isinstance(msg, Ping | Pong):
             self._heard(peer, msg.clock, now)
             if isinstance(msg, Ping):
                 self._send_sealed(peer, Pong(clock=now))
         elif msg is not None:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning(
                 "kvpush decode: unexpected %s on the side channel from %s", type(msg).__name__, ascii(origin)
             )
@@ -290,13 +298,13 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             return open_hello(self.codec, data, self.config.hmac_key, echo=peer.nonce)
         except AuthMismatch as exc:
             peer.error = str(exc)
-            self.ledger.add("refused")
+            self.ledger.add(Count.REFUSED)
             log.error("kvpush decode: %s: %s", ascii(origin), exc)
             return None
         except WireError:
             refusal = self._plain_refusal(data)
             if refusal is None:
-                self.ledger.add("wire_errors")
+                self.ledger.add(Count.WIRE_ERRORS)
             return refusal
 
     def _plain_refusal(self, data: bytes) -> ErrorReply | None:
@@ -321,7 +329,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             return
         if peer.instance and peer.instance != msg.instance:
             # a new process answers at the old one's address: the old one is gone, and so are its WRITEs
-            self.ledger.add("peers_gone")
+            self.ledger.add(Count.PEERS_GONE)
             self._apply(self.state.on_peer_gone(peer.rank, "it restarted (a new instance answered)", now))
             # on_peer_gone ended every attempt this rank owed, those still waiting for this handshake
             # too: their registrations must not go out now, or the new instance would write blocks that
@@ -375,7 +383,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             elif isinstance(act, Ready | Failed):
                 self._finish(act)
             elif isinstance(act, Discarded):
-                self.ledger.add("discarded")
+                self.ledger.add(Count.DISCARDED)
                 log.debug("kvpush decode: %s", act.reason)
 
     def _send(self, act: SendRegistration | SendAbort) -> list[ReceiverAction]:
@@ -429,7 +437,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                 )
             now = time.monotonic()
         if isinstance(act, Ready):
-            self.ledger.add("bytes", act.nbytes)
+            self.ledger.add(Count.BYTES, act.nbytes)
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
         else:
             result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now)
@@ -473,11 +481,11 @@ class DecodeEndpoint(Endpoint[RecvResult]):
         config: KVPushConfig,
         layout: KVLayout,
         mem_type: str = "DRAM",
-        transport: Transport | Callable[[], Transport] | None = None,
+        transport: TransportSource = None,
         control: ControlPlane | None = None,
         hooks: TransferHooks | None = None,
     ) -> None:
-        self._recv = ReceiveWorker(config, layout, mem_type, transport, control, hooks)
+        self._recv = ReceiveThread(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._recv)
 
     def connect(self, prefill: PrefillAddress, timeout: float | None = None) -> None:

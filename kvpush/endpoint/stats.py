@@ -6,6 +6,7 @@ the ledger is the only code that touches them, so a counter cannot be defined an
 
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass, fields
 
@@ -35,15 +36,44 @@ READY_LATENCY = Histogram(
     buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
 )
 
+
+class Count(enum.Enum):
+    """The counters an endpoint adds to (each value is its field in `Counters`, and in stats())."""
+
+    BYTES = "bytes"
+    DESCRIPTORS = "descriptors"
+    BLOCKS = "blocks"
+    WRITES = "writes"
+    OK = "ok"
+    FAILED = "failed"
+    WIRE_ERRORS = "wire_errors"
+    DISCARDED = "discarded"
+    REGISTRATION_FIRST = "registration_first"  # the sender's StartWrite.order, counted per WRITE
+    PREFILL_FIRST = "prefill_first"
+    EXPIRED = "expired"
+    REFUSED = "refused"
+    PEERS_GONE = "peers_gone"
+    WRITE_TIMEOUTS = "write_timeouts"
+    NUDGES = "nudges"
+
+
+class High(enum.Enum):
+    """High-water marks of the prefill's in-flight budget (config max_inflight_*)."""
+
+    INFLIGHT_BYTES_MAX = "inflight_bytes_max"
+    INFLIGHT_DESCRIPTORS_MAX = "inflight_descriptors_max"
+    INFLIGHT_WRITES_MAX = "inflight_writes_max"
+
+
 _MIRROR = {
-    "bytes": BYTES,
-    "descriptors": DESCRIPTORS,
-    "blocks": BLOCKS,
-    "writes": WRITES,
-    "wire_errors": WIRE_ERRORS,
-    "discarded": DISCARDED,
-    "expired": EXPIRED,
-    "refused": REFUSED,
+    Count.BYTES: BYTES,
+    Count.DESCRIPTORS: DESCRIPTORS,
+    Count.BLOCKS: BLOCKS,
+    Count.WRITES: WRITES,
+    Count.WIRE_ERRORS: WIRE_ERRORS,
+    Count.DISCARDED: DISCARDED,
+    Count.EXPIRED: EXPIRED,
+    Count.REFUSED: REFUSED,
 }
 
 # What a failure's reason text says, as a small fixed set of label values (never the raw text).
@@ -119,19 +149,20 @@ class Ledger:
         self.labels = (role, engine_id, str(rank))
         self.counters = Counters()
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, count: Count, n: int = 1) -> None:
+        name = count.value
         setattr(self.counters, name, getattr(self.counters, name) + n)
-        metric = _MIRROR.get(name)
+        metric = _MIRROR.get(count)
         if metric is not None:
             metric.labels(*self.labels).inc(n)
 
-    def high(self, name: str, value: int) -> None:
+    def high(self, mark: High, value: int) -> None:
         """Raise a high-water mark (no Prometheus twin)."""
-        if value > getattr(self.counters, name):
-            setattr(self.counters, name, value)
+        if value > getattr(self.counters, mark.value):
+            setattr(self.counters, mark.value, value)
 
     def finished(self, ok: bool, latency_s: float | None = None, reason: str = "") -> None:
-        self.add("ok" if ok else "failed")
+        self.add(Count.OK if ok else Count.FAILED)
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:
             FAILURES.labels(*self.labels, reason_class(reason)).inc()

@@ -69,7 +69,7 @@ class RecvPhase(enum.Enum):
     ENDING = "ending"  # failing/aborting/superseded: waits for senders to settle, then Failed
 
 
-class SenderRankState(enum.Enum):
+class PrefillRankState(enum.Enum):
     """Where one prefill rank that owes this attempt KV stands."""
 
     EXPECTED = "expected"  # its WRITE (and notification) may still come
@@ -87,8 +87,8 @@ class RecvEvent(enum.Enum):
     GONE = "gone"  # the prefill process is proven gone (restarted, or it closed its side channel)
 
 
-R, V = SenderRankState, RecvEvent
-RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | Ignore] = {
+R, V = PrefillRankState, RecvEvent
+RECEIVER_TRANSITIONS: dict[tuple[PrefillRankState, RecvEvent], PrefillRankState | Ignore] = {
     (R.EXPECTED, V.DONE): R.DONE,
     (R.EXPECTED, V.FAILED): R.FAILED,
     (R.EXPECTED, V.ABANDON): R.ABANDONED,
@@ -118,7 +118,7 @@ RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | 
 del R, V
 
 
-def receiver_transition(state: SenderRankState, event: RecvEvent) -> SenderRankState:
+def receiver_transition(state: PrefillRankState, event: RecvEvent) -> PrefillRankState:
     """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
     return transition(RECEIVER_TRANSITIONS, state, event, "receiver (prefill rank)")
 
@@ -130,7 +130,7 @@ class _Attempt:
     block_ids: tuple[int, ...]
     deadline: float  # ready deadline, and the registrations' expiry
     fence_at: float  # no WRITE of this attempt can land from here on
-    senders: dict[int, SenderRankState]  # owed prefill rank -> its state
+    senders: dict[int, PrefillRankState]  # owed prefill rank -> its state
     phase: RecvPhase = RecvPhase.WAITING
     reason: str = ""
     nbytes: int = 0
@@ -139,10 +139,12 @@ class _Attempt:
 
     def unsettled(self) -> list[int]:
         return sorted(
-            p for p, st in self.senders.items() if st in (SenderRankState.EXPECTED, SenderRankState.ABANDONED)
+            p
+            for p, st in self.senders.items()
+            if st in (PrefillRankState.EXPECTED, PrefillRankState.ABANDONED)
         )
 
-    def move(self, rank: int, event: RecvEvent) -> SenderRankState:
+    def move(self, rank: int, event: RecvEvent) -> PrefillRankState:
         """Apply event to rank; returns the state before."""
         before = self.senders[rank]
         self.senders[rank] = receiver_transition(before, event)
@@ -207,7 +209,7 @@ class ReceiverState:
             block_ids,
             deadline,
             deadline + self.write_bound_s,
-            dict.fromkeys(senders, SenderRankState.EXPECTED),
+            dict.fromkeys(senders, PrefillRankState.EXPECTED),
         )
         self._live[(request_id, attempt)] = att
         reg = Registration(
@@ -231,7 +233,7 @@ class ReceiverState:
             return [
                 Discarded(f"done from prefill rank {msg.prefill_rank}, which owes {msg.request_id!r} nothing")
             ]
-        if att.move(msg.prefill_rank, RecvEvent.DONE) is not SenderRankState.EXPECTED:
+        if att.move(msg.prefill_rank, RecvEvent.DONE) is not PrefillRankState.EXPECTED:
             return [Discarded(f"duplicate done from prefill rank {msg.prefill_rank} for {msg.request_id!r}")]
         att.nbytes += msg.nbytes
         return self._settle(att)
@@ -259,7 +261,7 @@ class ReceiverState:
                     # A dead process posts nothing more, but bytes it sent before may still be landing: over
                     # TCP, UCX emulates a PUT and our own progress writes them (found by kvpush soak). The
                     # blocks come back once they surely have, gone_linger_s from now.
-                    if att.senders[prefill_rank] is SenderRankState.EXPECTED:
+                    if att.senders[prefill_rank] is PrefillRankState.EXPECTED:
                         att.move(prefill_rank, RecvEvent.ABANDON)
                     until = att.lingering.get(prefill_rank, now + self.gone_linger_s)
                     att.lingering[prefill_rank] = min(until, now + self.gone_linger_s)

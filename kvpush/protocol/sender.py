@@ -6,7 +6,7 @@ never touches a socket, a thread or NIXL, so every event order can be tested wit
 (tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py).
 
 Each decode rank this prefill rank owes KV to, within a request's current attempt, is in one named
-`RankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
+`DecodeRankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
 not list raises LocalProtocolError: a bug in the caller or here, never silently absorbed.
 
 Invariants:
@@ -74,7 +74,7 @@ class SendPhase(enum.Enum):
     ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
 
 
-class RankState(enum.Enum):
+class DecodeRankState(enum.Enum):
     """Where one owed decode rank stands in the current attempt."""
 
     OWED = "owed"  # this prefill rank holds heads the decode rank needs; no registration yet
@@ -93,8 +93,8 @@ class RankEvent(enum.Enum):
     END = "end"  # the request is ending (abort, lease, another rank's failure)
 
 
-S, E = RankState, RankEvent
-SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | Ignore] = {
+S, E = DecodeRankState, RankEvent
+SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ignore] = {
     (S.OWED, E.REGISTER): S.REGISTERED,
     (S.OWED, E.END): S.FAILED,
     (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
@@ -113,7 +113,7 @@ SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | Ignore] = {
 del S, E
 
 
-def sender_transition(state: RankState, event: RankEvent) -> RankState:
+def sender_transition(state: DecodeRankState, event: RankEvent) -> DecodeRankState:
     """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
     return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
 
@@ -121,7 +121,7 @@ def sender_transition(state: RankState, event: RankEvent) -> RankState:
 @dataclass
 class _Rank:
     heads: HeadRange
-    state: RankState = RankState.OWED
+    state: DecodeRankState = DecodeRankState.OWED
     reg: Registration | None = None
 
 
@@ -142,7 +142,9 @@ class _Entry:
     nbytes: int = 0
 
     def writing(self) -> bool:
-        return bool(self.stale_in_flight) or any(r.state is RankState.WRITING for r in self.ranks.values())
+        return bool(self.stale_in_flight) or any(
+            r.state is DecodeRankState.WRITING for r in self.ranks.values()
+        )
 
 
 class SenderState:
@@ -168,11 +170,11 @@ class SenderState:
 
     def in_flight(self) -> int:
         return sum(
-            len(e.stale_in_flight) + sum(r.state is RankState.WRITING for r in e.ranks.values())
+            len(e.stale_in_flight) + sum(r.state is DecodeRankState.WRITING for r in e.ranks.values())
             for e in self._entries.values()
         )
 
-    def rank_states(self, request_id: str) -> dict[int, RankState]:
+    def rank_states(self, request_id: str) -> dict[int, DecodeRankState]:
         """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
         entry = self._entries.get(request_id)
         return {} if entry is None else {d: r.state for d, r in entry.ranks.items()}
@@ -219,7 +221,7 @@ class SenderState:
             )
         if entry.phase is SendPhase.ENDING:
             current = entry.ranks.get(reg.decode_rank) if reg.attempt == entry.attempt else None
-            if current is not None and current.state in (RankState.WRITING, RankState.DONE):
+            if current is not None and current.state in (DecodeRankState.WRITING, DecodeRankState.DONE):
                 return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
             if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
                 return []
@@ -253,7 +255,7 @@ class SenderState:
                     f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}",
                 )
             ]
-        if rank.state is RankState.OWED:
+        if rank.state is DecodeRankState.OWED:
             if expired:
                 return expired
             rank.reg = reg
@@ -312,7 +314,7 @@ class SenderState:
                 )
             return told + self._advance(entry, now)
         rank = entry.ranks.get(decode_rank)
-        if attempt != entry.attempt or rank is None or rank.state is not RankState.WRITING:
+        if attempt != entry.attempt or rank is None or rank.state is not DecodeRankState.WRITING:
             return []  # not a WRITE this machine started: the edge reported something twice
         actions: list[SenderAction] = []
         if ok:
@@ -361,7 +363,7 @@ class SenderState:
         before = rank.state if rank is not None else None
         actions = self._end(entry, reason) + self._advance(entry, now)
         told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
-        if not told and before not in (RankState.WRITING, RankState.DONE):
+        if not told and before not in (DecodeRankState.WRITING, DecodeRankState.DONE):
             actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
         return actions
 
@@ -395,7 +397,7 @@ class SenderState:
             e.decode_engine_id == decode_engine_id
             and (
                 any(d == decode_rank for _a, d in e.stale_in_flight)
-                or (decode_rank in e.ranks and e.ranks[decode_rank].state is RankState.WRITING)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].state is DecodeRankState.WRITING)
             )
             for e in self._entries.values()
         )
@@ -404,7 +406,11 @@ class SenderState:
     def _expire_registrations(self, entry: _Entry, now: float) -> list[SenderAction]:
         """A registration whose expiry passed before its WRITE could start can never be served."""
         for d, rank in sorted(entry.ranks.items()):
-            if rank.state is RankState.REGISTERED and rank.reg is not None and now >= rank.reg.expires_at:
+            if (
+                rank.state is DecodeRankState.REGISTERED
+                and rank.reg is not None
+                and now >= rank.reg.expires_at
+            ):
                 self._move(rank, RankEvent.REFUSE)
                 why = "registration expired before prefill could write it"
                 return [
@@ -423,7 +429,7 @@ class SenderState:
     ) -> None:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
         entry.stale_in_flight |= {
-            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is RankState.WRITING
+            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is DecodeRankState.WRITING
         }
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
         entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
@@ -450,7 +456,7 @@ class SenderState:
         for d, rank in sorted(entry.ranks.items()):
             before = rank.state
             self._move(rank, RankEvent.END)
-            if before is RankState.REGISTERED:
+            if before is DecodeRankState.REGISTERED:
                 actions.append(
                     NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason)
                 )
@@ -465,7 +471,7 @@ class SenderState:
                 return expired  # it ended the entry and advanced it already
         if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
             for d, rank in sorted(entry.ranks.items()):
-                if rank.state is not RankState.REGISTERED:
+                if rank.state is not DecodeRankState.REGISTERED:
                     continue
                 reg = rank.reg
                 assert reg is not None  # REGISTERED always holds its registration
@@ -500,7 +506,7 @@ class SenderState:
         if entry.writing():
             return actions
         states = {r.state for r in entry.ranks.values()}
-        if entry.phase is SendPhase.OPEN and entry.ranks and states == {RankState.DONE}:
+        if entry.phase is SendPhase.OPEN and entry.ranks and states == {DecodeRankState.DONE}:
             assert entry.src_blocks is not None  # DONE ranks were written from it
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)
