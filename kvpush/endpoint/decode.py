@@ -9,7 +9,7 @@
 Closing (or a dead transfer thread) deregisters the cache memory first, so no WRITE can land, and then
 reports every live request as failed: the engine never waits for KV that cannot come.
 
-Per prefill rank the worker keeps one side-channel connection with its own session (handshake.Session):
+Per prefill rank the receive thread keeps one side-channel connection with its own session (decode_conns.py):
 registrations wait until the Hello is answered, then go out sealed, their expiry converted into the
 prefill's clock (conservatively: with the largest `prefill clock - our clock at receipt` seen, which
 never overstates the prefill's clock). Pings every ping_interval_s keep both sides informed; a prefill
@@ -21,22 +21,18 @@ only from the NIXL agent that the rank's Hello named, through that rank's sessio
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import msgspec
-import zmq
 
 from ..config import KVPushConfig
 from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError, WireError
-from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
+from ..protocol.handshake import check_peer_hello
 from ..protocol.layout import KVLayout
 from ..protocol.receiver import (
     Discarded,
@@ -49,18 +45,15 @@ from ..protocol.receiver import (
 )
 from ..protocol.tp import senders_for
 from ..protocol.wire import (
-    PLAIN,
     Abort,
     ErrorReply,
     Hello,
-    Message,
     Ping,
     Pong,
     Posted,
     Registration,
     TransferDone,
     TransferFailed,
-    split_frame,
 )
 from .base import (
     Endpoint,
@@ -71,31 +64,11 @@ from .base import (
     TransportSource,
     checked_blocks,
 )
-from .control import ControlChannel, ControlPlane
+from .control import ControlPlane
+from .decode_conns import MAX_BACKLOG, PrefillConnections, PrefillPeer
 from .stats import Count
 
 log = logging.getLogger("kvpush")
-
-
-@dataclass
-class _PrefillPeer:
-    address: PrefillAddress
-    rank: int
-    channel: ControlChannel
-    nonce: bytes = b""  # ours, for this connection's Hello
-    hello: Hello | None = None
-    session: Session | None = None
-    error: str = ""
-    waiters: list[threading.Event] = field(default_factory=list)
-    backlog: list[Registration | Abort] = field(default_factory=list)  # waiting for the Hello's answer
-    clock_offset: float | None = None  # max(prefill clock - our clock at receipt)
-    last_heard: float = 0.0
-    last_ping: float = 0.0
-    connected_at: float = 0.0
-    instance: bytes = b""  # the prefill process we last completed a Hello with
-
-
-MAX_BACKLOG = 4096  # messages waiting for one prefill rank's handshake answer
 
 
 class ReceiveThread(EndpointThread[RecvResult]):
@@ -113,8 +86,6 @@ class ReceiveThread(EndpointThread[RecvResult]):
             config.write_bound_s,
             gone_linger_s=config.write_linger_s,
         )
-        self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
-        self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
         # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
         # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
@@ -122,12 +93,12 @@ class ReceiveThread(EndpointThread[RecvResult]):
 
     def setup(self) -> None:
         self.transport, self.hello = self.setup_transport()
+        self.conns = PrefillConnections(
+            self.config, self.codec, self.hello, self.control, self.poller, self.ledger
+        )
 
     def teardown(self) -> None:
-        for peer in self.prefills.values():
-            peer.channel.close()
-            for ev in peer.waiters:
-                ev.set()
+        self.conns.close()
         self.transport.close()  # memory deregistered: from here on no WRITE can land in our blocks
         reason = "decode endpoint closed" if self.fatal is None else f"decode endpoint died: {self.fatal!r}"
         for act in self.state.close(reason):
@@ -148,7 +119,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         for peer_name, data in self.transport.drain_notifs():
             did = True
             self._on_notification(peer_name, data, now)
-        for peer in list(self.prefills.values()):
+        for peer in list(self.conns.prefills.values()):
             for _ in range(
                 self.config.max_messages_per_peer_round
             ):  # one chatty prefill cannot starve others
@@ -163,12 +134,12 @@ class ReceiveThread(EndpointThread[RecvResult]):
             self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
-            self.ledger.peers(sum(1 for p in self.prefills.values() if p.session is not None))
+            self.ledger.peers(self.conns.live())
         return did
 
     def _on_notification(self, peer_name: str, data: bytes, now: float) -> None:
         """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
-        peer = self.by_agent.get(peer_name)
+        peer = self.conns.by_agent.get(peer_name)
         if peer is None or peer.session is None:
             self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
@@ -201,10 +172,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
     def _liveness(self, now: float) -> None:
         """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
         cfg = self.config
-        for peer in list(self.prefills.values()):
-            if peer.session is not None and now - peer.last_ping >= cfg.ping_interval_s:
-                peer.last_ping = now
-                self._send_sealed(peer, Ping(clock=now))
+        for peer in list(self.conns.prefills.values()):
+            self.conns.ping(peer, now)
             heard = max(peer.last_heard, peer.connected_at)
             if now - heard < cfg.peer_timeout_s:
                 continue
@@ -219,58 +188,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
                     # agent refuses notifications, yet its WRITE in flight lands once it resumes (kvpush
                     # soak: stale writes when a refused notification counted as death). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
-            self._reconnect(peer, now)
+            self.conns.reconnect(peer, now)
 
-    def _reconnect(self, peer: _PrefillPeer, now: float) -> None:
-        """A fresh connection and Hello: finds a restarted prefill (a new instance) or a resumed one."""
-        with contextlib.suppress(KeyError):
-            self.poller.unregister(peer.channel.pollable)
-        peer.channel.close()
-        peer.channel = self.control.connect(
-            peer.address.host, peer.address.rank_port(peer.rank), self.config.max_message_bytes
-        )
-        self.poller.register(peer.channel.pollable, zmq.POLLIN)
-        self._send_hello(peer, now)
-
-    def _send_hello(self, peer: _PrefillPeer, now: float) -> None:
-        peer.nonce = os.urandom(16)
-        peer.session = None
-        peer.connected_at = now
-        hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
-        try:
-            peer.channel.send(hello_frame(self.codec, hello, self.config.hmac_key))
-        except TransportError as exc:
-            log.warning("kvpush decode: hello to prefill %s failed: %s", ascii(peer.address.engine_id), exc)
-
-    def _send_sealed(self, peer: _PrefillPeer, msg: Message) -> None:
-        assert peer.session is not None
-        try:
-            peer.channel.send(peer.session.seal(msg))
-        except TransportError as exc:
-            log.warning("kvpush decode: side channel to prefill rank %s: %s", peer.rank, exc)
-
-    def _peer(self, address: PrefillAddress, rank: int) -> _PrefillPeer:
-        key = (address.engine_id, rank)
-        peer = self.prefills.get(key)
-        if peer is None:
-            channel = self.control.connect(
-                address.host, address.rank_port(rank), self.config.max_message_bytes
-            )
-            self.poller.register(channel.pollable, zmq.POLLIN)
-            peer = self.prefills[key] = _PrefillPeer(address, rank, channel)
-            self._send_hello(peer, time.monotonic())
-        return peer
-
-    def _on_reply(self, peer: _PrefillPeer, data: bytes, now: float) -> None:
-        origin = f"prefill {peer.address.engine_id} rank {peer.rank}"
-        msg: Message | None
-        if peer.session is None:
-            msg = self._open_hello_reply(peer, data, origin)
-        else:
-            session = peer.session
-            msg = self.decode_or_count(data, origin, session.open)
-            if msg is None:
-                msg = self._plain_refusal(data)  # a restarted prefill answers an unknown connection plainly
+    def _on_reply(self, peer: PrefillPeer, data: bytes, now: float) -> None:
+        msg = self.conns.open(peer, data)
         if isinstance(msg, Hello):
             self._on_hello_reply(peer, msg, now)
         elif isinstance(msg, ErrorReply):
@@ -281,47 +202,21 @@ class ReceiveThread(EndpointThread[RecvResult]):
                 self.ledger.add(Count.NUDGES)
                 self.announced[(msg.request_id, peer.rank)] = now + self.config.write_timeout_s
         elif isinstance(msg, Ping | Pong):
-            self._heard(peer, msg.clock, now)
+            self.conns.heard(peer, msg.clock, now)
             if isinstance(msg, Ping):
-                self._send_sealed(peer, Pong(clock=now))
+                self.conns.send_sealed(peer, Pong(clock=now))
         elif msg is not None:
             self.ledger.add(Count.WIRE_ERRORS)
             log.warning(
-                "kvpush decode: unexpected %s on the side channel from %s", type(msg).__name__, ascii(origin)
+                "kvpush decode: unexpected %s on the side channel from %s",
+                type(msg).__name__,
+                ascii(peer.origin),
             )
         for ev in peer.waiters:
             ev.set()
         peer.waiters.clear()
 
-    def _open_hello_reply(self, peer: _PrefillPeer, data: bytes, origin: str) -> Message | None:
-        try:
-            return open_hello(self.codec, data, self.config.hmac_key, echo=peer.nonce)
-        except AuthMismatch as exc:
-            peer.error = str(exc)
-            self.ledger.add(Count.REFUSED)
-            log.error("kvpush decode: %s: %s", ascii(origin), exc)
-            return None
-        except WireError:
-            refusal = self._plain_refusal(data)
-            if refusal is None:
-                self.ledger.add(Count.WIRE_ERRORS)
-            return refusal
-
-    def _plain_refusal(self, data: bytes) -> ErrorReply | None:
-        """A plain ErrorReply (refusals before or outside a session) on our own connection."""
-        try:
-            flag, body, _seq, _tag = split_frame(data, self.codec.max_bytes)
-            msg = self.codec.decode(body) if flag == PLAIN else None
-        except WireError:
-            return None
-        return msg if isinstance(msg, ErrorReply) else None
-
-    def _heard(self, peer: _PrefillPeer, clock: float, now: float) -> None:
-        peer.last_heard = now
-        off = clock - now
-        peer.clock_offset = off if peer.clock_offset is None else max(peer.clock_offset, off)
-
-    def _on_hello_reply(self, peer: _PrefillPeer, msg: Hello, now: float) -> None:
+    def _on_hello_reply(self, peer: PrefillPeer, msg: Hello, now: float) -> None:
         try:
             check_peer_hello(self.layout, msg, prefill_side=False)
         except LayoutError as exc:
@@ -335,21 +230,15 @@ class ReceiveThread(EndpointThread[RecvResult]):
             # too: their registrations must not go out now, or the new instance would write blocks that
             # come back to the engine as failed (found by kvpush soak as stale writes after a restart)
             peer.backlog = []
-        if peer.hello is not None:
-            self.by_agent.pop(peer.hello.agent_name, None)
-        peer.hello, peer.error, peer.instance = msg, "", msg.instance
-        peer.session = Session(self.codec, self.config.hmac_key, peer.nonce, msg.nonce, "decode")
-        self.by_agent[msg.agent_name] = peer
-        peer.clock_offset = None
-        self._heard(peer, msg.clock, now)
+        self.conns.start_session(peer, msg, now)
         backlog, peer.backlog = peer.backlog, []
         for item in backlog:
             self._apply(self._send_now(peer, item))
 
-    def _on_error_reply(self, peer: _PrefillPeer, msg: ErrorReply, now: float) -> None:
+    def _on_error_reply(self, peer: PrefillPeer, msg: ErrorReply, now: float) -> None:
         if msg.code == "hello_first":
             # the prefill does not know this connection (it restarted): handshake again
-            self._reconnect(peer, now)
+            self.conns.reconnect(peer, now)
             return
         if msg.request_id:
             self._apply(
@@ -390,7 +279,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         address = self.route.get(act.message.request_id)
         if address is None:
             return []
-        peer = self._peer(address, act.prefill_rank)
+        peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
         if peer.session is None:
             if len(peer.backlog) >= MAX_BACKLOG:
                 return self._failed_send(
@@ -400,7 +289,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
             return []
         return self._send_now(peer, act.message)
 
-    def _send_now(self, peer: _PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+    def _send_now(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
         assert peer.session is not None
         if isinstance(msg, Registration):
             # our expiry in the prefill's clock: the offset never overstates the prefill's clock, so the
@@ -460,11 +349,12 @@ class ReceiveThread(EndpointThread[RecvResult]):
         if not self.state.tracks(request_id):
             self.route.pop(request_id, None)
 
-    def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[_PrefillPeer]:
+    def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[PrefillPeer]:
         ranks = senders_for(
             self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
         )
-        peers = [self._peer(prefill, r) for r in ranks]
+        now = time.monotonic()
+        peers = [self.conns.peer(prefill, r, now) for r in ranks]
         pending = [p for p in peers if p.session is None and not p.error]
         if not pending:
             done.set()

@@ -168,12 +168,6 @@ class SenderState:
     def pending(self) -> list[str]:
         return list(self._entries)
 
-    def in_flight(self) -> int:
-        return sum(
-            len(e.stale_in_flight) + sum(r.state is DecodeRankState.WRITING for r in e.ranks.values())
-            for e in self._entries.values()
-        )
-
     def rank_states(self, request_id: str) -> dict[int, DecodeRankState]:
         """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
         entry = self._entries.get(request_id)
@@ -387,10 +381,6 @@ class SenderState:
                 del self._tombstones[rid]
         return actions
 
-    def pending_for(self, decode_engine_id: str) -> list[str]:
-        """Requests whose current attempt belongs to this decode engine (to fail them when it is gone)."""
-        return [rid for rid, e in self._entries.items() if e.decode_engine_id == decode_engine_id]
-
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
         """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
         return any(
@@ -463,7 +453,10 @@ class SenderState:
         return actions
 
     def _advance(self, entry: _Entry, now: float) -> list[SenderAction]:
-        """Start what can start, then release the source once nothing can still read it. Never recurses."""
+        """Start what can start, then release the source once nothing can still read it.
+
+        Recurses at most once: `_expire_registrations` ends the entry (phase ENDING) before it calls back
+        here, and an ENDING entry expires nothing, so the inner call cannot recurse again."""
         actions: list[SenderAction] = []
         if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
             expired = self._expire_registrations(entry, now)
