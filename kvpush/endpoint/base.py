@@ -16,6 +16,7 @@ from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message
 from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, prepare_environment
@@ -53,6 +54,7 @@ class SendResult:
     done_at: float = 0.0
     # monotonic marks of this request on the push thread (see kvpush.endpoint.prefill.TIMELINE)
     timeline: dict[str, float] = field(default_factory=dict, compare=False)
+    failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class RecvResult:
     reason: str = ""
     nbytes: int = 0
     ready_at: float = 0.0
+    failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 
 
 def new_nixl_transport(config: KVPushConfig, role: str, rank: int, mem_type: str = "DRAM") -> Transport:

@@ -34,6 +34,7 @@ from ..config import KVPushConfig
 from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError, WireError
 from ..protocol.handshake import check_peer_hello
 from ..protocol.layout import KVLayout
+from ..protocol.reasons import Failure
 from ..protocol.receiver import (
     Discarded,
     Failed,
@@ -250,6 +251,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
                         reason=msg.reason,
                     ),
                     now,
+                    Failure.REFUSED,
                 )
             )
             return
@@ -282,9 +284,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
         if peer.session is None:
             if len(peer.backlog) >= MAX_BACKLOG:
-                return self._failed_send(
-                    act.message, act.prefill_rank, "too many messages wait for its handshake"
-                )
+                why = "too many messages wait for its handshake"
+                return self._failed_send(act.message, act.prefill_rank, why, Failure.REFUSED)
             peer.backlog.append(act.message)
             return []
         return self._send_now(peer, act.message)
@@ -300,14 +301,17 @@ class ReceiveThread(EndpointThread[RecvResult]):
         try:
             peer.channel.send(peer.session.seal(msg))
         except (TransportError, WireError) as exc:
-            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}")
+            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
         return []
 
-    def _failed_send(self, msg: Registration | Abort, rank: int, reason: str) -> list[ReceiverAction]:
+    def _failed_send(
+        self, msg: Registration | Abort, rank: int, reason: str, kind: Failure
+    ) -> list[ReceiverAction]:
         """Nothing was sent, so nothing can be written from it: the attempt fails for this rank now."""
         return self.state.on_failed(
             TransferFailed(request_id=msg.request_id, attempt=msg.attempt, prefill_rank=rank, reason=reason),
             time.monotonic(),
+            kind,
         )
 
     def _finish(self, act: Ready | Failed) -> None:
@@ -321,16 +325,15 @@ class ReceiveThread(EndpointThread[RecvResult]):
             try:
                 self.hooks.after_receive(act.request_id, act.block_ids)
             except Exception as exc:  # noqa: BLE001 - the request fails with the reason; the thread lives
-                act = Failed(
-                    act.request_id, act.attempt, act.block_ids, f"staging into the cache failed: {exc!r}"
-                )
+                why = f"staging into the cache failed: {exc!r}"
+                act = Failed(act.request_id, act.attempt, act.block_ids, why, Failure.WRITE_FAILED)
             now = time.monotonic()
         if isinstance(act, Ready):
             self.ledger.add(Count.BYTES, act.nbytes)
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
         else:
-            result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now)
-        self.ledger.finished(result.ok, reason=result.reason)
+            result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now, act.kind)
+        self.ledger.finished(result.ok, failure=result.failure)
         self.put_result(result)
 
     # ---- commands -----------------------------------------------------------------------------

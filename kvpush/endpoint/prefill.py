@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterable, Sequence
 import zmq
 
 from ..config import KVPushConfig
-from ..errors import LayoutError, TransportError
+from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.layout import KVLayout
 from ..protocol.order import failure_notice, write_order
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan
+from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
 from .base import Endpoint, EndpointThread, SendResult, TransferHooks, TransportSource, checked_blocks
@@ -98,7 +99,7 @@ class PushThread(EndpointThread[SendResult]):
         actions = self._settle(settled)
         now = time.monotonic()
         for rid in self.state.pending():
-            actions += self.state.abort(rid, reason, now)
+            actions += self.state.abort(rid, reason, now, Failure.CLOSED)
         for act in actions:  # the transport is closed: only the releases matter now
             if isinstance(act, ReleaseSource):
                 self._release(act)
@@ -148,7 +149,7 @@ class PushThread(EndpointThread[SendResult]):
             now = time.monotonic()
             for rid in event.request_ids:
                 if rid in self.state.pending():
-                    self._apply(self.state.abort(rid, event.reason, now))
+                    self._apply(self.state.abort(rid, event.reason, now, Failure.PEER_GONE))
 
     # ---- the action pump ----------------------------------------------------------------------
     def _apply(self, actions: Iterable[SenderAction]) -> None:
@@ -208,6 +209,7 @@ class PushThread(EndpointThread[SendResult]):
                 s.reason,
                 time.monotonic(),
                 s.abandoned,
+                s.kind,
             )
         return follow
 
@@ -223,19 +225,15 @@ class PushThread(EndpointThread[SendResult]):
         try:
             peer = self.conns.peers.get(dest)
             if peer is None:
-                raise TransportError(
-                    f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}"
-                )
+                raise PeerGone(f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}")
             self._source_ready(act)
             prep = self.conns.prepared(peer, act.heads)
             session = self.conns.session(dest)
             if session is None:
-                raise TransportError(
-                    f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}"
-                )
+                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
             order = write_order(act, self.layout, peer.layout, prep.units if prep else None, session)
         except (LayoutError, TransportError) as exc:
-            return self._settle([Settled(act, False, 0, str(exc))])
+            return self._settle([Settled(act, False, 0, str(exc), kind=_failure_of(exc))])
         plan, spec = order.plan, self._spec(order.plan, order.notif, peer.agent, prep)
         marks.setdefault("plan_built", time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
@@ -288,7 +286,7 @@ class PushThread(EndpointThread[SendResult]):
                 act.reason,
             )
             return
-        if "expir" in act.reason:
+        if act.kind is Failure.EXPIRED:
             self.ledger.add(Count.EXPIRED)
         try:
             session = self.conns.session(dest)
@@ -305,7 +303,7 @@ class PushThread(EndpointThread[SendResult]):
         started = self.prefill_done_at.pop(act.request_id, None)
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)
-        self.ledger.finished(act.ok, None if started is None else now - started, act.reason)
+        self.ledger.finished(act.ok, None if started is None else now - started, act.kind)
         marks = self.timeline.pop(act.request_id, {})
         if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
             live = set(self.state.pending())
@@ -317,7 +315,10 @@ class PushThread(EndpointThread[SendResult]):
                 act.request_id,
                 ", ".join(f"{k} {1e6 * (marks[k] - t0):.0f}" for k in TIMELINE if k in marks),
             )
-        self.put_result(SendResult(act.request_id, act.ok, act.block_ids, act.reason, act.nbytes, now, marks))
+        result = SendResult(
+            act.request_id, act.ok, act.block_ids, act.reason, act.nbytes, now, marks, act.kind
+        )
+        self.put_result(result)
 
     # ---- commands (run on this thread) --------------------------------------------------------
     def cmd_prefill_done(
@@ -335,6 +336,14 @@ class PushThread(EndpointThread[SendResult]):
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
+
+
+def _failure_of(exc: Exception) -> Failure:
+    """A WRITE that could not even be queued: the decode rank is gone, its blocks do not fit, or the
+    source could not be made ready (barrier, staging)."""
+    if isinstance(exc, PeerGone):
+        return Failure.PEER_GONE
+    return Failure.REFUSED if isinstance(exc, LayoutError) else Failure.WRITE_FAILED
 
 
 class PrefillEndpoint(Endpoint[SendResult]):

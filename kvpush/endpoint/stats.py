@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from ..errors import ConfigError
+from ..protocol.reasons import Failure
 
 LABELS = ("role", "engine_id", "rank")
 
@@ -23,7 +24,9 @@ WRITES = Counter("kvpush_writes_total", "WRITEs posted", LABELS)
 REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", (*LABELS, "outcome"))
 WIRE_ERRORS = Counter("kvpush_wire_errors_total", "Messages refused at decoding or matching", LABELS)
 DISCARDED = Counter("kvpush_discarded_total", "Messages that matched nothing live (late or stale)", LABELS)
-FAILURES = Counter("kvpush_failures_total", "Requests failed, by reason class", (*LABELS, "reason"))
+FAILURES = Counter(
+    "kvpush_failures_total", "Requests failed, by kind (protocol.reasons.Failure)", (*LABELS, "reason")
+)
 EXPIRED = Counter("kvpush_expired_total", "Leases and registrations that expired", LABELS)
 REFUSED = Counter("kvpush_refused_total", "Handshakes and messages refused (auth, identity, limits)", LABELS)
 PEERS = Gauge("kvpush_peers", "Peers with a completed handshake", LABELS)
@@ -75,31 +78,6 @@ _MIRROR = {
     Count.EXPIRED: EXPIRED,
     Count.REFUSED: REFUSED,
 }
-
-# What a failure's reason text says, as a small fixed set of label values (never the raw text).
-_REASON_CLASSES = (
-    ("expir", "expired"),
-    ("lease", "expired"),
-    ("timed out", "timeout"),
-    ("timeout", "timeout"),
-    ("abort", "aborted"),
-    ("cancel", "aborted"),
-    ("gone", "peer_gone"),
-    ("silent", "peer_silent"),
-    ("closed", "closed"),
-    ("died", "closed"),
-    ("WRITE failed", "write_failed"),
-    ("superseded", "superseded"),
-)
-
-
-def reason_class(reason: str) -> str:
-    low = reason.lower()
-    for needle, label in _REASON_CLASSES:
-        if needle.lower() in low:
-            return label
-    return "other"
-
 
 _served: dict[tuple[str, int], bool] = {}
 _served_lock = threading.Lock()
@@ -161,11 +139,12 @@ class Ledger:
         if value > getattr(self.counters, mark.value):
             setattr(self.counters, mark.value, value)
 
-    def finished(self, ok: bool, latency_s: float | None = None, reason: str = "") -> None:
+    def finished(self, ok: bool, latency_s: float | None = None, failure: Failure | None = None) -> None:
+        """A request finished; a failed one is labelled by its kind (a failure without one: `unknown`)."""
         self.add(Count.OK if ok else Count.FAILED)
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:
-            FAILURES.labels(*self.labels, reason_class(reason)).inc()
+            FAILURES.labels(*self.labels, "unknown" if failure is None else failure.value).inc()
         if ok and latency_s is not None:
             READY_LATENCY.labels(*self.labels).observe(latency_s)
 

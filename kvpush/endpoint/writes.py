@@ -21,6 +21,7 @@ from ..config import KVPushConfig
 from ..errors import TransportError
 from ..protocol.plan import TransferPlan
 from ..protocol.prepared import IndexPlan
+from ..protocol.reasons import Failure
 from ..protocol.sender import StartWrite
 from ..transport.base import Transport, XferHandle
 from .posting import PostingPool, PostJob, WriteSpec, post
@@ -41,6 +42,7 @@ class Settled:
     nbytes: int
     reason: str = ""
     abandoned: bool = False  # given up at write_timeout_s while posted: its bytes may still land
+    kind: Failure = Failure.WRITE_FAILED  # when not ok
     made_at: float = 0.0
     posted_at: float = 0.0
     complete_at: float = 0.0
@@ -62,9 +64,16 @@ class _Write:
     job: PostJob | None = None
     worker: int = -1
 
-    def settled(self, ok: bool, reason: str = "", at: float = 0.0, abandoned: bool = False) -> Settled:
+    def settled(
+        self,
+        ok: bool,
+        reason: str = "",
+        at: float = 0.0,
+        abandoned: bool = False,
+        kind: Failure = Failure.WRITE_FAILED,
+    ) -> Settled:
         nbytes = self.plan.nbytes if ok else 0
-        return Settled(self.action, ok, nbytes, reason, abandoned, self.made_at, self.posted_at, at)
+        return Settled(self.action, ok, nbytes, reason, abandoned, kind, self.made_at, self.posted_at, at)
 
 
 class WriteScheduler:
@@ -115,7 +124,7 @@ class WriteScheduler:
             if w.handle is not None:
                 with contextlib.suppress(TransportError):
                     self.transport.release(w.handle)
-        return [w.settled(False, reason) for w in writes]
+        return [w.settled(False, reason, kind=Failure.CLOSED) for w in writes]
 
     # ---- dispatch -------------------------------------------------------------------------------
     def _fits(self, w: _Write) -> bool:
@@ -157,7 +166,7 @@ class WriteScheduler:
         """Put one WRITE in flight (here, or on a posting thread); None on success, else its failure."""
         now = time.monotonic()
         if now - w.queued_at >= self.config.write_timeout_s:
-            return w.settled(False, "WRITE not posted within write_timeout_s", now)
+            return w.settled(False, "WRITE not posted within write_timeout_s", now, kind=Failure.TIMEOUT)
         if self.pool is None:
             try:
                 w.handle = post(self.transport, w.spec)
@@ -222,7 +231,8 @@ class WriteScheduler:
                     continue  # abandoned (and settled) here before the posting thread handed it back
                 self._unflight(w)
                 w.made_at, w.posted_at = job.made_at, job.posted_at
-                out.append(w.settled(job.state == "done", job.error, job.complete_at or now))
+                kind = Failure.TIMEOUT if job.state == "skipped" else Failure.WRITE_FAILED
+                out.append(w.settled(job.state == "done", job.error, job.complete_at or now, kind=kind))
         for w in list(self.writes):
             if now - w.queued_at >= self.config.write_timeout_s:
                 out.append(self._abandon(w))  # checked before polling: an overdue WRITE is not advanced
@@ -255,4 +265,4 @@ class WriteScheduler:
                 self.transport.release(w.handle)
         self.ledger.add(Count.WRITE_TIMEOUTS)
         reason = f"WRITE not complete after {self.config.write_timeout_s}s: abandoned"
-        return w.settled(False, reason, time.monotonic(), abandoned=True)
+        return w.settled(False, reason, time.monotonic(), abandoned=True, kind=Failure.TIMEOUT)

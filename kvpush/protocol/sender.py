@@ -26,6 +26,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .reasons import Failure
 from .table import IGNORE, Ignore, transition
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
@@ -55,6 +56,7 @@ class NotifyFailure:
     decode_rank: int
     reason: str
     abandoned: bool = False  # a posted WRITE was given up at its timeout: its bytes may still land
+    kind: Failure = field(default=Failure.REFUSED, compare=False)
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,17 @@ class ReleaseSource:
     ok: bool
     nbytes: int
     reason: str = ""
+    kind: Failure | None = field(default=None, compare=False)  # None when ok
 
 
 SenderAction = StartWrite | NotifyFailure | ReleaseSource
+
+
+def _refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> NotifyFailure:
+    """The answer to a registration that will not be written."""
+    return NotifyFailure(
+        reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, reason, kind=kind
+    )
 
 
 class SendPhase(enum.Enum):
@@ -132,6 +142,7 @@ class _Entry:
     created_by: EventOrder
     phase: SendPhase = SendPhase.OPEN
     reason: str = ""
+    kind: Failure = Failure.ABORTED
     src_blocks: tuple[int, ...] | None = None
     num_tokens: int = 0
     attempt: int = -1
@@ -177,36 +188,17 @@ class SenderState:
     def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
         fail = self._refuse_registration(reg)
         if fail:
-            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
+            return [_refusal(reg, fail)]
         # An expired registration is refused only where it would be newly accepted: a late duplicate of
         # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
-        expired: list[SenderAction] = (
-            [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    "registration arrived after its expiry: not written",
-                )
-            ]
-            if now >= reg.expires_at
-            else []
-        )
+        late = "registration arrived after its expiry: not written"
+        expired: list[SenderAction] = [_refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
         if entry is None and tomb is not None:
             if reg.attempt <= tomb[0]:
                 return []  # a late duplicate of something already finished
-            return [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    "source KV already released (request finished on prefill)",
-                )
-            ]
+            return [_refusal(reg, "source KV already released (request finished on prefill)")]
         if entry is None:
             if expired:
                 return expired
@@ -219,11 +211,7 @@ class SenderState:
                 return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
             if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
                 return []
-            return [
-                NotifyFailure(
-                    reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, entry.reason
-                )
-            ]
+            return [_refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
@@ -239,15 +227,9 @@ class SenderState:
             entry.deadline = now + self.lease_s
         rank = entry.ranks.get(reg.decode_rank)
         if rank is None or reg.decode_tp != entry.decode_tp:
+            why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
-                    f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}",
-                )
+                _refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
             ]
         if rank.state is DecodeRankState.OWED:
             if expired:
@@ -262,7 +244,12 @@ class SenderState:
         if request_id in self._tombstones and request_id not in self._entries:
             return [
                 ReleaseSource(
-                    request_id, block_ids, False, 0, "request already finished or aborted on prefill"
+                    request_id,
+                    block_ids,
+                    False,
+                    0,
+                    "request already finished or aborted on prefill",
+                    Failure.ABORTED,
                 )
             ]
         entry = self._entries.get(request_id)
@@ -271,7 +258,8 @@ class SenderState:
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
         if entry.src_blocks is not None:
-            return [ReleaseSource(request_id, block_ids, False, 0, "duplicate prefill_done: kept the first")]
+            why = "duplicate prefill_done: kept the first"
+            return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
@@ -287,26 +275,19 @@ class SenderState:
         reason: str,
         now: float,
         abandoned: bool = False,
+        kind: Failure = Failure.WRITE_FAILED,
     ) -> list[SenderAction]:
-        """A WRITE settled: completed, failed, or (abandoned=True) given up at its timeout by the edge."""
+        """A WRITE settled: completed, failed (`kind` says how), or (abandoned=True) given up at its
+        timeout by the edge."""
         entry = self._entries.get(request_id)
         if entry is None:
             return []
+        why = f"WRITE failed: {reason}"
+        told = NotifyFailure(request_id, attempt, entry.decode_engine_id, decode_rank, why, abandoned, kind)
         if (attempt, decode_rank) in entry.stale_in_flight:
             entry.stale_in_flight.discard((attempt, decode_rank))  # a superseded attempt's WRITE settled
-            told: list[SenderAction] = []
-            if not ok:  # the decode's superseded attempt waits on it: say so
-                told.append(
-                    NotifyFailure(
-                        request_id,
-                        attempt,
-                        entry.decode_engine_id,
-                        decode_rank,
-                        f"WRITE failed: {reason}",
-                        abandoned,
-                    )
-                )
-            return told + self._advance(entry, now)
+            # if it failed, the decode's superseded attempt waits on it: say so
+            return ([] if ok else [told]) + self._advance(entry, now)
         rank = entry.ranks.get(decode_rank)
         if attempt != entry.attempt or rank is None or rank.state is not DecodeRankState.WRITING:
             return []  # not a WRITE this machine started: the edge reported something twice
@@ -316,30 +297,25 @@ class SenderState:
             entry.nbytes += nbytes
         else:
             self._move(rank, RankEvent.WRITE_FAILED)
-            actions.append(
-                NotifyFailure(
-                    request_id,
-                    attempt,
-                    entry.decode_engine_id,
-                    decode_rank,
-                    f"WRITE failed: {reason}",
-                    abandoned,
-                )
-            )
-            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}")
+            actions.append(told)
+            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}", kind)
         return actions + self._advance(entry, now)
 
-    def abort(self, request_id: str, reason: str, now: float) -> list[SenderAction]:
+    def abort(
+        self, request_id: str, reason: str, now: float, kind: Failure = Failure.ABORTED
+    ) -> list[SenderAction]:
         entry = self._entries.get(request_id)
         if entry is None:
             self._tombstones.setdefault(request_id, (-1, now + self.tombstone_s))
             return []
-        return self._end(entry, reason) + self._advance(entry, now)
+        return self._end(entry, reason, kind) + self._advance(entry, now)
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
-        ack = NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason)
+        ack = NotifyFailure(
+            msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason, kind=Failure.ABORTED
+        )
         entry = self._entries.get(msg.request_id)
         if entry is None:
             tomb = self._tombstones.get(msg.request_id)
@@ -352,10 +328,10 @@ class SenderState:
             return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
         if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
             self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason), *self._advance(entry, now)]
+            return [ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
         rank = entry.ranks.get(msg.decode_rank)
         before = rank.state if rank is not None else None
-        actions = self._end(entry, reason) + self._advance(entry, now)
+        actions = self._end(entry, reason, Failure.ABORTED) + self._advance(entry, now)
         told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
         if not told and before not in (DecodeRankState.WRITING, DecodeRankState.DONE):
             actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
@@ -373,7 +349,7 @@ class SenderState:
                     why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
                 else:
                     why = f"lease expired: no registration from decode within {self.lease_s}s"
-                actions += self._end(entry, why) + self._advance(entry, now)
+                actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
             elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
                 self._finish(entry, now)  # waited long enough for a prefill_done that never came
         for rid, (_attempt, expiry) in list(self._tombstones.items()):
@@ -404,8 +380,10 @@ class SenderState:
                 self._move(rank, RankEvent.REFUSE)
                 why = "registration expired before prefill could write it"
                 return [
-                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, why),
-                    *self._end(entry, f"decode rank {d}'s {why}"),
+                    NotifyFailure(
+                        entry.request_id, entry.attempt, entry.decode_engine_id, d, why, kind=Failure.EXPIRED
+                    ),
+                    *self._end(entry, f"decode rank {d}'s {why}", Failure.EXPIRED),
                     *self._advance(entry, now),
                 ]
         return []
@@ -437,18 +415,20 @@ class SenderState:
             )
         return ""
 
-    def _end(self, entry: _Entry, reason: str) -> list[SenderAction]:
+    def _end(self, entry: _Entry, reason: str, kind: Failure) -> list[SenderAction]:
         """The request will write nothing more: registered ranks are told, owed ones just close."""
         if entry.phase is SendPhase.ENDING:
             return []
-        entry.phase, entry.reason = SendPhase.ENDING, reason
+        entry.phase, entry.reason, entry.kind = SendPhase.ENDING, reason, kind
         actions: list[SenderAction] = []
         for d, rank in sorted(entry.ranks.items()):
             before = rank.state
             self._move(rank, RankEvent.END)
             if before is DecodeRankState.REGISTERED:
                 actions.append(
-                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason)
+                    NotifyFailure(
+                        entry.request_id, entry.attempt, entry.decode_engine_id, d, reason, kind=kind
+                    )
                 )
         return actions
 
@@ -470,16 +450,9 @@ class SenderState:
                 assert reg is not None  # REGISTERED always holds its registration
                 if reg.num_tokens > entry.num_tokens:
                     self._move(rank, RankEvent.REFUSE)
-                    actions.append(
-                        NotifyFailure(
-                            entry.request_id,
-                            reg.attempt,
-                            reg.decode_engine_id,
-                            d,
-                            f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}",
-                        )
-                    )
-                    actions += self._end(entry, "token count mismatch")
+                    why = f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"
+                    actions.append(_refusal(reg, why))
+                    actions += self._end(entry, "token count mismatch", Failure.REFUSED)
                     break
                 self._move(rank, RankEvent.START)
                 actions.append(
@@ -505,7 +478,9 @@ class SenderState:
             self._finish(entry, None)
         elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
             actions.append(
-                ReleaseSource(entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason)
+                ReleaseSource(
+                    entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason, entry.kind
+                )
             )
             self._finish(entry, None)
         return actions
