@@ -87,13 +87,13 @@ class PushThread(EndpointThread[SendResult]):
             self.ledger, self.state,
         )  # fmt: skip
         build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
-        self.writes = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
+        self.scheduler = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
         # report every request failed so the engine frees its source blocks; nothing is leaked.
         reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
-        settled = self.writes.close(reason)
+        settled = self.scheduler.close(reason)
         self.conns.listener.close()
         self.transport.close()
         actions = self._settle(settled)
@@ -107,7 +107,7 @@ class PushThread(EndpointThread[SendResult]):
     def busy(self) -> bool:
         # WRITEs a posting thread polls need no fast loop here: it rings the doorbell when one settles
         # (and write timeouts are checked at least every tick)
-        return self.writes.busy()
+        return self.scheduler.busy()
 
     def tracked(self) -> int:
         return len(self.state)
@@ -119,11 +119,11 @@ class PushThread(EndpointThread[SendResult]):
             did = True
             if event is not None:
                 self._on_event(event)
-        if self.writes.writes:
-            before = len(self.writes.writes)
-            self._apply(self._settle(self.writes.progress(now)))
-            did = did or len(self.writes.writes) < before
-        if self.writes.queues:
+        if self.scheduler.writes:
+            before = len(self.scheduler.writes)
+            self._apply(self._settle(self.scheduler.progress(now)))
+            did = did or len(self.scheduler.writes) < before
+        if self.scheduler.queues:
             self._apply(())  # the budget may have room again
         if self.tick_due(now):
             if len(self.state):
@@ -134,7 +134,7 @@ class PushThread(EndpointThread[SendResult]):
                 self._on_event(event)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
-            self.ledger.in_flight_bytes(self.writes.inflight_bytes)
+            self.ledger.in_flight_bytes(self.scheduler.inflight_bytes)
         return did
 
     def _on_event(self, event: ConnEvent) -> None:
@@ -164,15 +164,15 @@ class PushThread(EndpointThread[SendResult]):
                     self._notify_failure(act)
                 else:
                     self._release(act)
-            if not self.writes.queues:
+            if not self.scheduler.queues:
                 break
-            failed, posted_inline = self.writes.dispatch()
+            failed, posted_inline = self.scheduler.dispatch()
             pending.extend(self._settle(failed))
             if posted_inline:
                 # progress at once: a loopback copy may finish inside the post, and its notification
                 # should leave now rather than after the next loop round
-                pending.extend(self._settle(self.writes.progress(time.monotonic())))
-            for a in self.writes.take_nudges():  # tell the decodes after the first poll: Posted
+                pending.extend(self._settle(self.scheduler.progress(time.monotonic())))
+            for a in self.scheduler.take_nudges():  # tell the decodes after the first poll: Posted
                 posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
                 if self.conns.send_to((a.decode_engine_id, a.decode_rank), posted):
                     self.ledger.add(Count.NUDGES)
@@ -245,7 +245,7 @@ class PushThread(EndpointThread[SendResult]):
                 plan.num_descriptors,
                 plan.nbytes,
             )
-        self.writes.queue(act, plan, spec, now)
+        self.scheduler.queue(act, plan, spec, now)
         return []
 
     def _spec(
