@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .errors import (
         ConfigError,
         EndpointClosed,
+        EndpointTimeout,
         HandshakeTimeout,
         KVPushError,
         LayoutError,
@@ -42,6 +43,8 @@ _WHERE = {
         (
             "ConfigError",
             "EndpointClosed",
+            "EndpointTimeout",
+            "EndpointTimeout",
             "HandshakeTimeout",
             "KVPushError",
             "LayoutError",
@@ -75,6 +78,7 @@ __all__ = [
     "ConfigError",
     "DecodeEndpoint",
     "EndpointClosed",
+    "EndpointTimeout",
     "HandshakeTimeout",
     "KVLayout",
     "KVPushConfig",

@@ -166,7 +166,7 @@ class Posting(_Group, frozen=True):
 
     workers 0: the push thread posts and polls every WRITE itself; N > 0: N posting threads share the NIXL
     agent, each destination kept on one worker while it has WRITEs in flight (its posts stay in order). On
-    a 2-core box over UCX loopback workers do not help (kvpush/transport/posting.py), so the default is 0;
+    a 2-core box over UCX loopback workers do not help (kvpush/endpoint/posting.py), so the default is 0;
     with RDMA or cuda_ipc and several decode ranks per prefill rank try 2-4. At most max_inflight_bytes
     and max_inflight_descriptors are posted and unsettled at once (a larger WRITE still goes alone); the
     rest wait in one FIFO queue per destination, and destinations take turns.

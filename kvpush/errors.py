@@ -14,6 +14,7 @@ where a caller written against the standard library would reasonably expect them
     ├── TransportError           the data plane failed (NIXL, memory)
     │   ├── PeerGone             the remote agent disconnected or died
     │   └── HandshakeTimeout     a peer did not answer the handshake in time
+    ├── EndpointTimeout          the transfer thread did not answer a call in time
     └── EndpointClosed           the endpoint was closed or its thread died; `__cause__` says why
 """
 
@@ -68,6 +69,10 @@ class HandshakeTimeout(TransportError, TimeoutError):
     """A peer did not answer the handshake within the configured time."""
 
 
+class EndpointTimeout(KVPushError, TimeoutError):
+    """The transfer thread did not answer a call (pending(), connect()) within the time given."""
+
+
 class EndpointClosed(KVPushError, RuntimeError):
     """The endpoint was closed, or its transfer thread died (the cause is chained as __cause__)."""
 
@@ -75,6 +80,7 @@ class EndpointClosed(KVPushError, RuntimeError):
 __all__ = [
     "ConfigError",
     "EndpointClosed",
+    "EndpointTimeout",
     "HandshakeTimeout",
     "KVPushError",
     "LayoutError",

@@ -10,18 +10,22 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message
 from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, prepare_environment
 from .control import ControlPlane, ZmqControl
-from .loop import Worker
-from .stats import Ledger, serve_metrics
+from .loop import TransferThread
+from .stats import Count, Ledger, serve_metrics
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from 3.11; annotations only
 
 log = logging.getLogger("kvpush")
 
@@ -50,6 +54,7 @@ class SendResult:
     done_at: float = 0.0
     # monotonic marks of this request on the push thread (see kvpush.endpoint.prefill.TIMELINE)
     timeline: dict[str, float] = field(default_factory=dict, compare=False)
+    failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class RecvResult:
     reason: str = ""
     nbytes: int = 0
     ready_at: float = 0.0
+    failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 
 
 def new_nixl_transport(config: KVPushConfig, role: str, rank: int, mem_type: str = "DRAM") -> Transport:
@@ -88,9 +94,13 @@ class TransferHooks(Protocol):
 
 R = TypeVar("R", SendResult, RecvResult)
 
+# What an endpoint gets its transport from: None (a NIXL agent from the config), a transport, or a
+# factory called on the transfer thread at start (so the agent is created on the thread that drives it).
+TransportSource = Transport | Callable[[], Transport] | None
 
-class EndpointWorker(Worker, Generic[R]):
-    """A worker that owns one rank's transport (created and registered on its own thread at start),
+
+class EndpointThread(TransferThread, Generic[R]):
+    """A transfer thread that owns one rank's transport (created and registered on its own thread at start),
     its side channel, its ledger and the queue of results the engine drains."""
 
     role = ""
@@ -100,7 +110,7 @@ class EndpointWorker(Worker, Generic[R]):
         config: KVPushConfig,
         layout: KVLayout,
         mem_type: str,
-        transport: Transport | Callable[[], Transport] | None,
+        transport: TransportSource,
         control: ControlPlane | None,
         hooks: TransferHooks | None = None,
     ) -> None:
@@ -126,10 +136,10 @@ class EndpointWorker(Worker, Generic[R]):
         src = self._transport_source
         if src is None:
             transport = new_nixl_transport(self.config, self.role, self.layout.tp_rank, self.mem_type)
-        elif callable(src) and not hasattr(src, "post_write"):
-            transport = src()
+        elif isinstance(src, Transport):
+            transport = src
         else:
-            transport = src  # type: ignore[assignment]
+            transport = src()
         transport.register(self.layout.regions, self.mem_type)
         hello = make_hello(
             self.config.engine_id,
@@ -170,7 +180,7 @@ class EndpointWorker(Worker, Generic[R]):
                 raise WireError("malformed frame (wrong number of parts or over the size limit)")
             return (opener or self.codec.decode)(data)
         except WireError as exc:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush: dropped a message from %s: %s", ascii(origin), exc)
             return None
 
@@ -178,19 +188,19 @@ class EndpointWorker(Worker, Generic[R]):
 class Endpoint(Generic[R]):
     """The engine-facing half: lifecycle, results, stats. Every call returns at once."""
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, worker: EndpointWorker[R]) -> None:
+    def __init__(self, config: KVPushConfig, layout: KVLayout, worker: EndpointThread[R]) -> None:
         if not layout.regions:
             raise LayoutError(f"{type(self).__name__} needs a layout placed in memory (regions and planes)")
         self.config = config
         self.layout = layout
-        self._worker: EndpointWorker[R] = worker
+        self._worker: EndpointThread[R] = worker
 
     def start(self) -> None:
         self._worker.start()
         if self.config.metrics.port is not None:
             serve_metrics(self.config.metrics.host, self.config.metrics.port)
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
@@ -234,7 +244,7 @@ class Endpoint(Generic[R]):
         return out
 
     def pending(self) -> int:
-        """Requests the state machine still tracks (asked on the worker thread)."""
+        """Requests the state machine still tracks (asked on the transfer thread)."""
         return int(self._worker.call(self._worker.tracked, self.config.liveness.handshake_timeout_s))
 
 

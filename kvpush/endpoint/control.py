@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import os
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from ..errors import TransportError
+from .loop import Doorbell
 
 Pollable = Any  # a zmq.Socket or an int file descriptor
 
@@ -189,35 +189,10 @@ class ZmqControl:
 
 
 # ---- in memory ---------------------------------------------------------------------------------------
-class _Bell:
-    """A pipe whose read end is pollable: readable while its owner's inbox holds something."""
-
-    def __init__(self) -> None:
-        self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self.write_fd, False)
-
-    def ring(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            os.write(self.write_fd, b"x")
-
-    def clear(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        for fd in (self.read_fd, self.write_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
 @dataclass
 class _Inbox:
     items: deque[Any] = field(default_factory=deque)
-    bell: _Bell = field(default_factory=_Bell)
+    bell: Doorbell = field(default_factory=Doorbell)
     closed: bool = False
 
     def put(self, item: Any, lock: threading.Lock) -> None:

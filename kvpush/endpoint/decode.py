@@ -9,7 +9,7 @@
 Closing (or a dead transfer thread) deregisters the cache memory first, so no WRITE can land, and then
 reports every live request as failed: the engine never waits for KV that cannot come.
 
-Per prefill rank the worker keeps one side-channel connection with its own session (handshake.Session):
+Per prefill rank the receive thread keeps one side-channel connection with its own session (decode_conns.py):
 registrations wait until the Hello is answered, then go out sealed, their expiry converted into the
 prefill's clock (conservatively: with the largest `prefill clock - our clock at receipt` seen, which
 never overstates the prefill's clock). Pings every ping_interval_s keep both sides informed; a prefill
@@ -21,23 +21,20 @@ only from the NIXL agent that the rank's Hello named, through that rank's sessio
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 
 import msgspec
-import zmq
 
 from ..config import KVPushConfig
 from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError, WireError
-from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
+from ..protocol.handshake import check_peer_hello
 from ..protocol.layout import KVLayout
+from ..protocol.reasons import Failure
 from ..protocol.receiver import (
     Discarded,
     Failed,
@@ -49,48 +46,33 @@ from ..protocol.receiver import (
 )
 from ..protocol.tp import senders_for
 from ..protocol.wire import (
-    PLAIN,
     Abort,
     ErrorReply,
     Hello,
-    Message,
     Ping,
     Pong,
     Posted,
     Registration,
     TransferDone,
     TransferFailed,
-    split_frame,
 )
-from ..transport.base import Transport
-from .base import Endpoint, EndpointWorker, PrefillAddress, RecvResult, TransferHooks, checked_blocks
-from .control import ControlChannel, ControlPlane
+from .base import (
+    Endpoint,
+    EndpointThread,
+    PrefillAddress,
+    RecvResult,
+    TransferHooks,
+    TransportSource,
+    checked_blocks,
+)
+from .control import ControlPlane
+from .decode_conns import MAX_BACKLOG, PrefillConnections, PrefillPeer
+from .stats import Count
 
 log = logging.getLogger("kvpush")
 
 
-@dataclass
-class _PrefillPeer:
-    address: PrefillAddress
-    rank: int
-    channel: ControlChannel
-    nonce: bytes = b""  # ours, for this connection's Hello
-    hello: Hello | None = None
-    session: Session | None = None
-    error: str = ""
-    waiters: list[threading.Event] = field(default_factory=list)
-    backlog: list[Registration | Abort] = field(default_factory=list)  # waiting for the Hello's answer
-    clock_offset: float | None = None  # max(prefill clock - our clock at receipt)
-    last_heard: float = 0.0
-    last_ping: float = 0.0
-    connected_at: float = 0.0
-    instance: bytes = b""  # the prefill process we last completed a Hello with
-
-
-MAX_BACKLOG = 4096  # messages waiting for one prefill rank's handshake answer
-
-
-class ReceiveWorker(EndpointWorker[RecvResult]):
+class ReceiveThread(EndpointThread[RecvResult]):
     name = "kvpush-recv"
     role = "decode"
 
@@ -105,8 +87,6 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             config.leases.write_bound_s,
             gone_linger_s=config.leases.write_linger_s,
         )
-        self.prefills: dict[tuple[str, int], _PrefillPeer] = {}
-        self.by_agent: dict[str, _PrefillPeer] = {}  # NIXL agent name -> the prefill rank its Hello named
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
         # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
         # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
@@ -114,12 +94,12 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
 
     def setup(self) -> None:
         self.transport, self.hello = self.setup_transport()
+        self.conns = PrefillConnections(
+            self.config, self.codec, self.hello, self.control, self.poller, self.ledger
+        )
 
     def teardown(self) -> None:
-        for peer in self.prefills.values():
-            peer.channel.close()
-            for ev in peer.waiters:
-                ev.set()
+        self.conns.close()
         self.transport.close()  # memory deregistered: from here on no WRITE can land in our blocks
         reason = "decode endpoint closed" if self.fatal is None else f"decode endpoint died: {self.fatal!r}"
         for act in self.state.close(reason):
@@ -140,7 +120,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         for peer_name, data in self.transport.drain_notifs():
             did = True
             self._on_notification(peer_name, data, now)
-        for peer in list(self.prefills.values()):
+        for peer in list(self.conns.prefills.values()):
             for _ in range(
                 self.config.limits.max_messages_per_peer_round
             ):  # one chatty prefill cannot starve others
@@ -155,14 +135,14 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self._liveness(now)
             self._apply(self.state.on_tick(now))
             self.ledger.pending(len(self.state))
-            self.ledger.peers(sum(1 for p in self.prefills.values() if p.session is not None))
+            self.ledger.peers(self.conns.live())
         return did
 
     def _on_notification(self, peer_name: str, data: bytes, now: float) -> None:
         """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
-        peer = self.by_agent.get(peer_name)
+        peer = self.conns.by_agent.get(peer_name)
         if peer is None or peer.session is None:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
             return
         session = peer.session
@@ -171,7 +151,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             return
         peer.last_heard = now
         if isinstance(msg, TransferDone | TransferFailed) and msg.prefill_rank != peer.rank:
-            self.ledger.add("refused")
+            self.ledger.add(Count.REFUSED)
             log.warning(
                 "kvpush decode: agent %s (prefill rank %s) reported for rank %s: dropped",
                 ascii(peer_name),
@@ -185,7 +165,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             self.announced.pop((msg.request_id, msg.prefill_rank), None)
             self._apply(self.state.on_failed(msg, now))
         else:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning(
                 "kvpush decode: unexpected %s notification from %s", type(msg).__name__, ascii(peer_name)
             )
@@ -193,16 +173,14 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
     def _liveness(self, now: float) -> None:
         """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
         cfg = self.config
-        for peer in list(self.prefills.values()):
-            if peer.session is not None and now - peer.last_ping >= cfg.liveness.ping_interval_s:
-                peer.last_ping = now
-                self._send_sealed(peer, Ping(clock=now))
+        for peer in list(self.conns.prefills.values()):
+            self.conns.ping(peer, now)
             heard = max(peer.last_heard, peer.connected_at)
             if now - heard < cfg.liveness.peer_timeout_s:
                 continue
             why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.liveness.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
-                self.ledger.add("peers_gone")
+                self.ledger.add(Count.PEERS_GONE)
                 if peer.channel.peer_closed():
                     why = f"it closed the side channel; {why}"
                     self._apply(self.state.on_peer_gone(peer.rank, why, now))
@@ -211,58 +189,10 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                     # agent refuses notifications, yet its WRITE in flight lands once it resumes (kvpush
                     # soak: stale writes when a refused notification counted as death). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
-            self._reconnect(peer, now)
+            self.conns.reconnect(peer, now)
 
-    def _reconnect(self, peer: _PrefillPeer, now: float) -> None:
-        """A fresh connection and Hello: finds a restarted prefill (a new instance) or a resumed one."""
-        with contextlib.suppress(KeyError):
-            self.poller.unregister(peer.channel.pollable)
-        peer.channel.close()
-        peer.channel = self.control.connect(
-            peer.address.host, peer.address.rank_port(peer.rank), self.config.limits.max_message_bytes
-        )
-        self.poller.register(peer.channel.pollable, zmq.POLLIN)
-        self._send_hello(peer, now)
-
-    def _send_hello(self, peer: _PrefillPeer, now: float) -> None:
-        peer.nonce = os.urandom(16)
-        peer.session = None
-        peer.connected_at = now
-        hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
-        try:
-            peer.channel.send(hello_frame(self.codec, hello, self.config.security.hmac_key))
-        except TransportError as exc:
-            log.warning("kvpush decode: hello to prefill %s failed: %s", ascii(peer.address.engine_id), exc)
-
-    def _send_sealed(self, peer: _PrefillPeer, msg: Message) -> None:
-        assert peer.session is not None
-        try:
-            peer.channel.send(peer.session.seal(msg))
-        except TransportError as exc:
-            log.warning("kvpush decode: side channel to prefill rank %s: %s", peer.rank, exc)
-
-    def _peer(self, address: PrefillAddress, rank: int) -> _PrefillPeer:
-        key = (address.engine_id, rank)
-        peer = self.prefills.get(key)
-        if peer is None:
-            channel = self.control.connect(
-                address.host, address.rank_port(rank), self.config.limits.max_message_bytes
-            )
-            self.poller.register(channel.pollable, zmq.POLLIN)
-            peer = self.prefills[key] = _PrefillPeer(address, rank, channel)
-            self._send_hello(peer, time.monotonic())
-        return peer
-
-    def _on_reply(self, peer: _PrefillPeer, data: bytes, now: float) -> None:
-        origin = f"prefill {peer.address.engine_id} rank {peer.rank}"
-        msg: Message | None
-        if peer.session is None:
-            msg = self._open_hello_reply(peer, data, origin)
-        else:
-            session = peer.session
-            msg = self.decode_or_count(data, origin, session.open)
-            if msg is None:
-                msg = self._plain_refusal(data)  # a restarted prefill answers an unknown connection plainly
+    def _on_reply(self, peer: PrefillPeer, data: bytes, now: float) -> None:
+        msg = self.conns.open(peer, data)
         if isinstance(msg, Hello):
             self._on_hello_reply(peer, msg, now)
         elif isinstance(msg, ErrorReply):
@@ -270,50 +200,24 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         elif isinstance(msg, Posted) and peer.session is not None:
             # a hint only: poll fast for that notification while the request is still waited for
             if msg.prefill_rank == peer.rank and self.state.tracks(msg.request_id):
-                self.ledger.add("nudges")
+                self.ledger.add(Count.NUDGES)
                 self.announced[(msg.request_id, peer.rank)] = now + self.config.leases.write_timeout_s
         elif isinstance(msg, Ping | Pong):
-            self._heard(peer, msg.clock, now)
+            self.conns.heard(peer, msg.clock, now)
             if isinstance(msg, Ping):
-                self._send_sealed(peer, Pong(clock=now))
+                self.conns.send_sealed(peer, Pong(clock=now))
         elif msg is not None:
-            self.ledger.add("wire_errors")
+            self.ledger.add(Count.WIRE_ERRORS)
             log.warning(
-                "kvpush decode: unexpected %s on the side channel from %s", type(msg).__name__, ascii(origin)
+                "kvpush decode: unexpected %s on the side channel from %s",
+                type(msg).__name__,
+                ascii(peer.origin),
             )
         for ev in peer.waiters:
             ev.set()
         peer.waiters.clear()
 
-    def _open_hello_reply(self, peer: _PrefillPeer, data: bytes, origin: str) -> Message | None:
-        try:
-            return open_hello(self.codec, data, self.config.security.hmac_key, echo=peer.nonce)
-        except AuthMismatch as exc:
-            peer.error = str(exc)
-            self.ledger.add("refused")
-            log.error("kvpush decode: %s: %s", ascii(origin), exc)
-            return None
-        except WireError:
-            refusal = self._plain_refusal(data)
-            if refusal is None:
-                self.ledger.add("wire_errors")
-            return refusal
-
-    def _plain_refusal(self, data: bytes) -> ErrorReply | None:
-        """A plain ErrorReply (refusals before or outside a session) on our own connection."""
-        try:
-            flag, body, _seq, _tag = split_frame(data, self.codec.max_bytes)
-            msg = self.codec.decode(body) if flag == PLAIN else None
-        except WireError:
-            return None
-        return msg if isinstance(msg, ErrorReply) else None
-
-    def _heard(self, peer: _PrefillPeer, clock: float, now: float) -> None:
-        peer.last_heard = now
-        off = clock - now
-        peer.clock_offset = off if peer.clock_offset is None else max(peer.clock_offset, off)
-
-    def _on_hello_reply(self, peer: _PrefillPeer, msg: Hello, now: float) -> None:
+    def _on_hello_reply(self, peer: PrefillPeer, msg: Hello, now: float) -> None:
         try:
             check_peer_hello(self.layout, msg, prefill_side=False)
         except LayoutError as exc:
@@ -321,27 +225,21 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             return
         if peer.instance and peer.instance != msg.instance:
             # a new process answers at the old one's address: the old one is gone, and so are its WRITEs
-            self.ledger.add("peers_gone")
+            self.ledger.add(Count.PEERS_GONE)
             self._apply(self.state.on_peer_gone(peer.rank, "it restarted (a new instance answered)", now))
             # on_peer_gone ended every attempt this rank owed, those still waiting for this handshake
             # too: their registrations must not go out now, or the new instance would write blocks that
             # come back to the engine as failed (found by kvpush soak as stale writes after a restart)
             peer.backlog = []
-        if peer.hello is not None:
-            self.by_agent.pop(peer.hello.agent_name, None)
-        peer.hello, peer.error, peer.instance = msg, "", msg.instance
-        peer.session = Session(self.codec, self.config.security.hmac_key, peer.nonce, msg.nonce, "decode")
-        self.by_agent[msg.agent_name] = peer
-        peer.clock_offset = None
-        self._heard(peer, msg.clock, now)
+        self.conns.start_session(peer, msg, now)
         backlog, peer.backlog = peer.backlog, []
         for item in backlog:
             self._apply(self._send_now(peer, item))
 
-    def _on_error_reply(self, peer: _PrefillPeer, msg: ErrorReply, now: float) -> None:
+    def _on_error_reply(self, peer: PrefillPeer, msg: ErrorReply, now: float) -> None:
         if msg.code == "hello_first":
             # the prefill does not know this connection (it restarted): handshake again
-            self._reconnect(peer, now)
+            self.conns.reconnect(peer, now)
             return
         if msg.request_id:
             self._apply(
@@ -353,6 +251,7 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
                         reason=msg.reason,
                     ),
                     now,
+                    Failure.REFUSED,
                 )
             )
             return
@@ -375,24 +274,23 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             elif isinstance(act, Ready | Failed):
                 self._finish(act)
             elif isinstance(act, Discarded):
-                self.ledger.add("discarded")
+                self.ledger.add(Count.DISCARDED)
                 log.debug("kvpush decode: %s", act.reason)
 
     def _send(self, act: SendRegistration | SendAbort) -> list[ReceiverAction]:
         address = self.route.get(act.message.request_id)
         if address is None:
             return []
-        peer = self._peer(address, act.prefill_rank)
+        peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
         if peer.session is None:
             if len(peer.backlog) >= MAX_BACKLOG:
-                return self._failed_send(
-                    act.message, act.prefill_rank, "too many messages wait for its handshake"
-                )
+                why = "too many messages wait for its handshake"
+                return self._failed_send(act.message, act.prefill_rank, why, Failure.REFUSED)
             peer.backlog.append(act.message)
             return []
         return self._send_now(peer, act.message)
 
-    def _send_now(self, peer: _PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+    def _send_now(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
         assert peer.session is not None
         if isinstance(msg, Registration):
             # our expiry in the prefill's clock: the offset never overstates the prefill's clock, so the
@@ -403,14 +301,17 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         try:
             peer.channel.send(peer.session.seal(msg))
         except (TransportError, WireError) as exc:
-            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}")
+            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
         return []
 
-    def _failed_send(self, msg: Registration | Abort, rank: int, reason: str) -> list[ReceiverAction]:
+    def _failed_send(
+        self, msg: Registration | Abort, rank: int, reason: str, kind: Failure
+    ) -> list[ReceiverAction]:
         """Nothing was sent, so nothing can be written from it: the attempt fails for this rank now."""
         return self.state.on_failed(
             TransferFailed(request_id=msg.request_id, attempt=msg.attempt, prefill_rank=rank, reason=reason),
             time.monotonic(),
+            kind,
         )
 
     def _finish(self, act: Ready | Failed) -> None:
@@ -424,16 +325,15 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
             try:
                 self.hooks.after_receive(act.request_id, act.block_ids)
             except Exception as exc:  # noqa: BLE001 - the request fails with the reason; the thread lives
-                act = Failed(
-                    act.request_id, act.attempt, act.block_ids, f"staging into the cache failed: {exc!r}"
-                )
+                why = f"staging into the cache failed: {exc!r}"
+                act = Failed(act.request_id, act.attempt, act.block_ids, why, Failure.WRITE_FAILED)
             now = time.monotonic()
         if isinstance(act, Ready):
-            self.ledger.add("bytes", act.nbytes)
+            self.ledger.add(Count.BYTES, act.nbytes)
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
         else:
-            result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now)
-        self.ledger.finished(result.ok, reason=result.reason)
+            result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now, act.kind)
+        self.ledger.finished(result.ok, failure=result.failure)
         self.put_result(result)
 
     # ---- commands -----------------------------------------------------------------------------
@@ -452,11 +352,12 @@ class ReceiveWorker(EndpointWorker[RecvResult]):
         if not self.state.tracks(request_id):
             self.route.pop(request_id, None)
 
-    def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[_PrefillPeer]:
+    def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[PrefillPeer]:
         ranks = senders_for(
             self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
         )
-        peers = [self._peer(prefill, r) for r in ranks]
+        now = time.monotonic()
+        peers = [self.conns.peer(prefill, r, now) for r in ranks]
         pending = [p for p in peers if p.session is None and not p.error]
         if not pending:
             done.set()
@@ -473,11 +374,11 @@ class DecodeEndpoint(Endpoint[RecvResult]):
         config: KVPushConfig,
         layout: KVLayout,
         mem_type: str = "DRAM",
-        transport: Transport | Callable[[], Transport] | None = None,
+        transport: TransportSource = None,
         control: ControlPlane | None = None,
         hooks: TransferHooks | None = None,
     ) -> None:
-        self._recv = ReceiveWorker(config, layout, mem_type, transport, control, hooks)
+        self._recv = ReceiveThread(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._recv)
 
     def connect(self, prefill: PrefillAddress, timeout: float | None = None) -> None:

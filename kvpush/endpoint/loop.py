@@ -24,13 +24,14 @@ from typing import Any
 import zmq
 
 from ..config import KVPushConfig
-from ..errors import EndpointClosed
+from ..errors import EndpointClosed, EndpointTimeout
 
 log = logging.getLogger("kvpush")
 
 
 class Doorbell:
-    """Wakes a worker blocked in zmq.Poller from any thread (a pipe is safe to write from anywhere)."""
+    """A pipe whose read end a zmq.Poller can wait on: ringing it (from any thread; a pipe is safe to
+    write from anywhere) wakes the thread blocked there. Idempotent close; a closed bell rings nothing."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
@@ -38,25 +39,26 @@ class Doorbell:
         os.set_blocking(self.write_fd, False)
 
     def ring(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # already ringing
+        with contextlib.suppress(BlockingIOError, OSError):  # already ringing, or closed
             os.write(self.write_fd, b"x")
 
     def clear(self) -> None:
         try:
             while os.read(self.read_fd, 4096):
                 pass
-        except BlockingIOError:
+        except (BlockingIOError, OSError):
             pass
 
     def close(self) -> None:
-        os.close(self.read_fd)
-        os.close(self.write_fd)
+        for fd in (self.read_fd, self.write_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
-class Worker:
+class TransferThread:
     """A thread that runs `step()` until stopped; subclasses own the transport and the state machine."""
 
-    name = "kvpush-worker"
+    name = "kvpush-transfer"
 
     def __init__(self, config: KVPushConfig) -> None:
         self.config = config
@@ -92,7 +94,7 @@ class Worker:
             self.doorbell.ring()
             self._thread.join(timeout=30)
             if self._thread.is_alive():
-                log.error("kvpush worker %s did not stop within 30 s; leaving its doorbell open", self.name)
+                log.error("kvpush thread %s did not stop within 30 s; leaving its doorbell open", self.name)
                 return
         if not self._doorbell_closed:
             self._doorbell_closed = True
@@ -113,7 +115,7 @@ class Worker:
         self.doorbell.ring()
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        """Run fn on the worker thread and wait for its result (start-up and tests only)."""
+        """Run fn on the transfer thread and wait for its result (start-up and tests only)."""
         box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
 
         def run() -> None:
@@ -131,7 +133,9 @@ class Worker:
             except queue.Empty:
                 self.alive_or_raise()  # the thread died (or closed) while we waited
                 if time.monotonic() >= deadline:
-                    raise TimeoutError(f"kvpush worker did not answer within {timeout}s") from None
+                    raise EndpointTimeout(
+                        f"kvpush {self.name} thread did not answer within {timeout}s"
+                    ) from None
         if not ok:
             raise value
         return value
@@ -148,12 +152,12 @@ class Worker:
         raise NotImplementedError
 
     def tracked(self) -> int:
-        """Requests the worker's state machine still tracks (leases and timeouts need ticks)."""
+        """Requests the thread's state machine still tracks (leases and timeouts need ticks)."""
         return 0
 
     def in_flight(self) -> bool:
-        """True while a transfer this worker posted is on the wire: poll without backing off."""
-        return False
+        """True while a transfer this thread posted is on the wire: poll without backing off."""
+        return self.busy()
 
     def idle_wait_ms(self) -> int:
         """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
@@ -173,12 +177,12 @@ class Worker:
             self._loop()
         except BaseException as exc:
             self.fatal = exc
-            log.exception("kvpush worker %s died", self.name)
+            log.exception("kvpush thread %s died", self.name)
         finally:
             try:
                 self.teardown()
             except Exception:
-                log.exception("kvpush worker %s: teardown failed", self.name)
+                log.exception("kvpush thread %s: teardown failed", self.name)
 
     def _loop(self) -> None:
         fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s

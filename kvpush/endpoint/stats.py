@@ -6,12 +6,14 @@ the ledger is the only code that touches them, so a counter cannot be defined an
 
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass, fields
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from ..errors import ConfigError
+from ..protocol.reasons import Failure
 
 LABELS = ("role", "engine_id", "rank")
 
@@ -22,7 +24,9 @@ WRITES = Counter("kvpush_writes_total", "WRITEs posted", LABELS)
 REQUESTS = Counter("kvpush_requests_total", "Requests finished, by outcome", (*LABELS, "outcome"))
 WIRE_ERRORS = Counter("kvpush_wire_errors_total", "Messages refused at decoding or matching", LABELS)
 DISCARDED = Counter("kvpush_discarded_total", "Messages that matched nothing live (late or stale)", LABELS)
-FAILURES = Counter("kvpush_failures_total", "Requests failed, by reason class", (*LABELS, "reason"))
+FAILURES = Counter(
+    "kvpush_failures_total", "Requests failed, by kind (protocol.reasons.Failure)", (*LABELS, "reason")
+)
 EXPIRED = Counter("kvpush_expired_total", "Leases and registrations that expired", LABELS)
 REFUSED = Counter("kvpush_refused_total", "Handshakes and messages refused (auth, identity, limits)", LABELS)
 PEERS = Gauge("kvpush_peers", "Peers with a completed handshake", LABELS)
@@ -35,41 +39,45 @@ READY_LATENCY = Histogram(
     buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
 )
 
+
+class Count(enum.Enum):
+    """The counters an endpoint adds to (each value is its field in `Counters`, and in stats())."""
+
+    BYTES = "bytes"
+    DESCRIPTORS = "descriptors"
+    BLOCKS = "blocks"
+    WRITES = "writes"
+    OK = "ok"
+    FAILED = "failed"
+    WIRE_ERRORS = "wire_errors"
+    DISCARDED = "discarded"
+    REGISTRATION_FIRST = "registration_first"  # the sender's StartWrite.order, counted per WRITE
+    PREFILL_FIRST = "prefill_first"
+    EXPIRED = "expired"
+    REFUSED = "refused"
+    PEERS_GONE = "peers_gone"
+    WRITE_TIMEOUTS = "write_timeouts"
+    NUDGES = "nudges"
+
+
+class High(enum.Enum):
+    """High-water marks of the prefill's in-flight budget (config max_inflight_*)."""
+
+    INFLIGHT_BYTES_MAX = "inflight_bytes_max"
+    INFLIGHT_DESCRIPTORS_MAX = "inflight_descriptors_max"
+    INFLIGHT_WRITES_MAX = "inflight_writes_max"
+
+
 _MIRROR = {
-    "bytes": BYTES,
-    "descriptors": DESCRIPTORS,
-    "blocks": BLOCKS,
-    "writes": WRITES,
-    "wire_errors": WIRE_ERRORS,
-    "discarded": DISCARDED,
-    "expired": EXPIRED,
-    "refused": REFUSED,
+    Count.BYTES: BYTES,
+    Count.DESCRIPTORS: DESCRIPTORS,
+    Count.BLOCKS: BLOCKS,
+    Count.WRITES: WRITES,
+    Count.WIRE_ERRORS: WIRE_ERRORS,
+    Count.DISCARDED: DISCARDED,
+    Count.EXPIRED: EXPIRED,
+    Count.REFUSED: REFUSED,
 }
-
-# What a failure's reason text says, as a small fixed set of label values (never the raw text).
-_REASON_CLASSES = (
-    ("expir", "expired"),
-    ("lease", "expired"),
-    ("timed out", "timeout"),
-    ("timeout", "timeout"),
-    ("abort", "aborted"),
-    ("cancel", "aborted"),
-    ("gone", "peer_gone"),
-    ("silent", "peer_silent"),
-    ("closed", "closed"),
-    ("died", "closed"),
-    ("WRITE failed", "write_failed"),
-    ("superseded", "superseded"),
-)
-
-
-def reason_class(reason: str) -> str:
-    low = reason.lower()
-    for needle, label in _REASON_CLASSES:
-        if needle.lower() in low:
-            return label
-    return "other"
-
 
 _served: dict[tuple[str, int], bool] = {}
 _served_lock = threading.Lock()
@@ -119,22 +127,24 @@ class Ledger:
         self.labels = (role, engine_id, str(rank))
         self.counters = Counters()
 
-    def add(self, name: str, n: int = 1) -> None:
+    def add(self, count: Count, n: int = 1) -> None:
+        name = count.value
         setattr(self.counters, name, getattr(self.counters, name) + n)
-        metric = _MIRROR.get(name)
+        metric = _MIRROR.get(count)
         if metric is not None:
             metric.labels(*self.labels).inc(n)
 
-    def high(self, name: str, value: int) -> None:
+    def high(self, mark: High, value: int) -> None:
         """Raise a high-water mark (no Prometheus twin)."""
-        if value > getattr(self.counters, name):
-            setattr(self.counters, name, value)
+        if value > getattr(self.counters, mark.value):
+            setattr(self.counters, mark.value, value)
 
-    def finished(self, ok: bool, latency_s: float | None = None, reason: str = "") -> None:
-        self.add("ok" if ok else "failed")
+    def finished(self, ok: bool, latency_s: float | None = None, failure: Failure | None = None) -> None:
+        """A request finished; a failed one is labelled by its kind (a failure without one: `unknown`)."""
+        self.add(Count.OK if ok else Count.FAILED)
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:
-            FAILURES.labels(*self.labels, reason_class(reason)).inc()
+            FAILURES.labels(*self.labels, "unknown" if failure is None else failure.value).inc()
         if ok and latency_s is not None:
             READY_LATENCY.labels(*self.labels).observe(latency_s)
 

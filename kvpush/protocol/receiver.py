@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .reasons import Failure
 from .table import IGNORE, Ignore, transition
 from .tp import senders_for
 from .wire import Abort, Registration, TransferDone, TransferFailed
@@ -52,6 +53,7 @@ class Failed:
     attempt: int
     block_ids: tuple[int, ...]
     reason: str
+    kind: Failure = field(default=Failure.REMOTE, compare=False)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class RecvPhase(enum.Enum):
     ENDING = "ending"  # failing/aborting/superseded: waits for senders to settle, then Failed
 
 
-class SenderRankState(enum.Enum):
+class PrefillRankState(enum.Enum):
     """Where one prefill rank that owes this attempt KV stands."""
 
     EXPECTED = "expected"  # its WRITE (and notification) may still come
@@ -87,8 +89,8 @@ class RecvEvent(enum.Enum):
     GONE = "gone"  # the prefill process is proven gone (restarted, or it closed its side channel)
 
 
-R, V = SenderRankState, RecvEvent
-RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | Ignore] = {
+R, V = PrefillRankState, RecvEvent
+RECEIVER_TRANSITIONS: dict[tuple[PrefillRankState, RecvEvent], PrefillRankState | Ignore] = {
     (R.EXPECTED, V.DONE): R.DONE,
     (R.EXPECTED, V.FAILED): R.FAILED,
     (R.EXPECTED, V.ABANDON): R.ABANDONED,
@@ -118,7 +120,7 @@ RECEIVER_TRANSITIONS: dict[tuple[SenderRankState, RecvEvent], SenderRankState | 
 del R, V
 
 
-def receiver_transition(state: SenderRankState, event: RecvEvent) -> SenderRankState:
+def receiver_transition(state: PrefillRankState, event: RecvEvent) -> PrefillRankState:
     """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
     return transition(RECEIVER_TRANSITIONS, state, event, "receiver (prefill rank)")
 
@@ -130,19 +132,22 @@ class _Attempt:
     block_ids: tuple[int, ...]
     deadline: float  # ready deadline, and the registrations' expiry
     fence_at: float  # no WRITE of this attempt can land from here on
-    senders: dict[int, SenderRankState]  # owed prefill rank -> its state
+    senders: dict[int, PrefillRankState]  # owed prefill rank -> its state
     phase: RecvPhase = RecvPhase.WAITING
     reason: str = ""
+    kind: Failure = Failure.REMOTE
     nbytes: int = 0
     # gone prefill rank -> when bytes it sent before it died have surely landed (see on_peer_gone)
     lingering: dict[int, float] = field(default_factory=dict)
 
     def unsettled(self) -> list[int]:
         return sorted(
-            p for p, st in self.senders.items() if st in (SenderRankState.EXPECTED, SenderRankState.ABANDONED)
+            p
+            for p, st in self.senders.items()
+            if st in (PrefillRankState.EXPECTED, PrefillRankState.ABANDONED)
         )
 
-    def move(self, rank: int, event: RecvEvent) -> SenderRankState:
+    def move(self, rank: int, event: RecvEvent) -> PrefillRankState:
         """Apply event to rank; returns the state before."""
         before = self.senders[rank]
         self.senders[rank] = receiver_transition(before, event)
@@ -196,7 +201,9 @@ class ReceiverState:
         actions: list[ReceiverAction] = []
         prev = self._current.get(request_id)
         if prev is not None and (request_id, prev) in self._live:
-            actions += self._end(self._live[(request_id, prev)], "superseded by a newer attempt", now)
+            actions += self._end(
+                self._live[(request_id, prev)], "superseded by a newer attempt", now, Failure.SUPERSEDED
+            )
         attempt = self._new_attempt_number(request_id)
         self._current[request_id] = attempt
         senders = senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads)
@@ -207,7 +214,7 @@ class ReceiverState:
             block_ids,
             deadline,
             deadline + self.write_bound_s,
-            dict.fromkeys(senders, SenderRankState.EXPECTED),
+            dict.fromkeys(senders, PrefillRankState.EXPECTED),
         )
         self._live[(request_id, attempt)] = att
         reg = Registration(
@@ -231,12 +238,14 @@ class ReceiverState:
             return [
                 Discarded(f"done from prefill rank {msg.prefill_rank}, which owes {msg.request_id!r} nothing")
             ]
-        if att.move(msg.prefill_rank, RecvEvent.DONE) is not SenderRankState.EXPECTED:
+        if att.move(msg.prefill_rank, RecvEvent.DONE) is not PrefillRankState.EXPECTED:
             return [Discarded(f"duplicate done from prefill rank {msg.prefill_rank} for {msg.request_id!r}")]
         att.nbytes += msg.nbytes
         return self._settle(att)
 
-    def on_failed(self, msg: TransferFailed, now: float) -> list[ReceiverAction]:
+    def on_failed(self, msg: TransferFailed, now: float, kind: Failure | None = None) -> list[ReceiverAction]:
+        """A prefill rank will not write (kind: how the edge knows; by default, a prefill's notification:
+        TIMEOUT when it abandoned a posted WRITE, else REMOTE, since the wire carries only the text)."""
         att = self._live.get((msg.request_id, msg.attempt))
         if att is None or msg.prefill_rank not in att.senders:
             return [
@@ -245,7 +254,9 @@ class ReceiverState:
                 )
             ]
         att.move(msg.prefill_rank, RecvEvent.ABANDON if msg.abandoned else RecvEvent.FAILED)
-        actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now)
+        if kind is None:
+            kind = Failure.TIMEOUT if msg.abandoned else Failure.REMOTE
+        actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now, kind)
         return actions + self._settle(att)
 
     def on_peer_gone(self, prefill_rank: int, reason: str, now: float) -> list[ReceiverAction]:
@@ -254,12 +265,14 @@ class ReceiverState:
         actions: list[ReceiverAction] = []
         for att in list(self._live.values()):
             if prefill_rank in att.unsettled():
-                actions += self._end(att, f"prefill rank {prefill_rank} is gone: {reason}", now)
+                actions += self._end(
+                    att, f"prefill rank {prefill_rank} is gone: {reason}", now, Failure.PEER_GONE
+                )
                 if self.gone_linger_s > 0:
                     # A dead process posts nothing more, but bytes it sent before may still be landing: over
                     # TCP, UCX emulates a PUT and our own progress writes them (found by kvpush soak). The
                     # blocks come back once they surely have, gone_linger_s from now.
-                    if att.senders[prefill_rank] is SenderRankState.EXPECTED:
+                    if att.senders[prefill_rank] is PrefillRankState.EXPECTED:
                         att.move(prefill_rank, RecvEvent.ABANDON)
                     until = att.lingering.get(prefill_rank, now + self.gone_linger_s)
                     att.lingering[prefill_rank] = min(until, now + self.gone_linger_s)
@@ -274,7 +287,8 @@ class ReceiverState:
         actions: list[ReceiverAction] = []
         for att in list(self._live.values()):
             if prefill_rank in att.unsettled():
-                actions += self._end(att, f"prefill rank {prefill_rank} is silent: {reason}", now)
+                why = f"prefill rank {prefill_rank} is silent: {reason}"
+                actions += self._end(att, why, now, Failure.PEER_SILENT)
         return actions
 
     def owed_by(self, prefill_rank: int) -> int:
@@ -286,7 +300,7 @@ class ReceiverState:
         att = self._live.get((request_id, attempt)) if attempt is not None else None
         if att is None:
             return [Discarded(f"abort of unknown request {request_id!r}")]
-        return self._end(att, reason, now) + self._settle(att)
+        return self._end(att, reason, now, Failure.ABORTED) + self._settle(att)
 
     def cancel(self, request_id: str, prefill_tp: int, reason: str, now: float) -> list[ReceiverAction]:
         """Abort whether or not expect() ran. A request dropped before its blocks were allocated still
@@ -322,6 +336,7 @@ class ReceiverState:
                     att,
                     f"timed out after {self.ready_timeout_s}s waiting for KV from prefill ranks {missing}",
                     now,
+                    Failure.TIMEOUT,
                 )
             if now >= att.fence_at:
                 # past the registrations' expiry plus the WRITE bound: no sender can still write
@@ -352,16 +367,23 @@ class ReceiverState:
         """The endpoint is going away and its memory is deregistered, so no WRITE can land any more:
         every live attempt fails now, each exactly once."""
         out: list[ReceiverAction] = [
-            Failed(a.request_id, a.attempt, a.block_ids, a.reason or reason) for a in self._live.values()
+            Failed(
+                a.request_id,
+                a.attempt,
+                a.block_ids,
+                a.reason or reason,
+                a.kind if a.reason else Failure.CLOSED,
+            )
+            for a in self._live.values()
         ]
         self._live.clear()
         self._current.clear()
         return out
 
-    def _end(self, att: _Attempt, reason: str, now: float) -> list[ReceiverAction]:
+    def _end(self, att: _Attempt, reason: str, now: float, kind: Failure) -> list[ReceiverAction]:
         if att.phase is RecvPhase.ENDING:
             return []
-        att.phase, att.reason = RecvPhase.ENDING, reason
+        att.phase, att.reason, att.kind = RecvPhase.ENDING, reason, kind
         msg = Abort(
             request_id=att.request_id,
             attempt=att.attempt,
@@ -379,4 +401,4 @@ class ReceiverState:
             del self._current[att.request_id]
         if att.phase is RecvPhase.WAITING:
             return [Ready(att.request_id, att.attempt, att.block_ids, att.nbytes)]
-        return [Failed(att.request_id, att.attempt, att.block_ids, att.reason)]
+        return [Failed(att.request_id, att.attempt, att.block_ids, att.reason, att.kind)]

@@ -6,7 +6,7 @@ never touches a socket, a thread or NIXL, so every event order can be tested wit
 (tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py).
 
 Each decode rank this prefill rank owes KV to, within a request's current attempt, is in one named
-`RankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
+`DecodeRankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
 not list raises LocalProtocolError: a bug in the caller or here, never silently absorbed.
 
 Invariants:
@@ -26,6 +26,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .reasons import Failure
 from .table import IGNORE, Ignore, transition
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
@@ -55,6 +56,7 @@ class NotifyFailure:
     decode_rank: int
     reason: str
     abandoned: bool = False  # a posted WRITE was given up at its timeout: its bytes may still land
+    kind: Failure = field(default=Failure.REFUSED, compare=False)
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,17 @@ class ReleaseSource:
     ok: bool
     nbytes: int
     reason: str = ""
+    kind: Failure | None = field(default=None, compare=False)  # None when ok
 
 
 SenderAction = StartWrite | NotifyFailure | ReleaseSource
+
+
+def _refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> NotifyFailure:
+    """The answer to a registration that will not be written."""
+    return NotifyFailure(
+        reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, reason, kind=kind
+    )
 
 
 class SendPhase(enum.Enum):
@@ -74,7 +84,7 @@ class SendPhase(enum.Enum):
     ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
 
 
-class RankState(enum.Enum):
+class DecodeRankState(enum.Enum):
     """Where one owed decode rank stands in the current attempt."""
 
     OWED = "owed"  # this prefill rank holds heads the decode rank needs; no registration yet
@@ -93,8 +103,8 @@ class RankEvent(enum.Enum):
     END = "end"  # the request is ending (abort, lease, another rank's failure)
 
 
-S, E = RankState, RankEvent
-SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | Ignore] = {
+S, E = DecodeRankState, RankEvent
+SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ignore] = {
     (S.OWED, E.REGISTER): S.REGISTERED,
     (S.OWED, E.END): S.FAILED,
     (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
@@ -113,7 +123,7 @@ SENDER_TRANSITIONS: dict[tuple[RankState, RankEvent], RankState | Ignore] = {
 del S, E
 
 
-def sender_transition(state: RankState, event: RankEvent) -> RankState:
+def sender_transition(state: DecodeRankState, event: RankEvent) -> DecodeRankState:
     """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
     return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
 
@@ -121,7 +131,7 @@ def sender_transition(state: RankState, event: RankEvent) -> RankState:
 @dataclass
 class _Rank:
     heads: HeadRange
-    state: RankState = RankState.OWED
+    state: DecodeRankState = DecodeRankState.OWED
     reg: Registration | None = None
 
 
@@ -132,6 +142,7 @@ class _Entry:
     created_by: EventOrder
     phase: SendPhase = SendPhase.OPEN
     reason: str = ""
+    kind: Failure = Failure.ABORTED
     src_blocks: tuple[int, ...] | None = None
     num_tokens: int = 0
     attempt: int = -1
@@ -142,7 +153,9 @@ class _Entry:
     nbytes: int = 0
 
     def writing(self) -> bool:
-        return bool(self.stale_in_flight) or any(r.state is RankState.WRITING for r in self.ranks.values())
+        return bool(self.stale_in_flight) or any(
+            r.state is DecodeRankState.WRITING for r in self.ranks.values()
+        )
 
 
 class SenderState:
@@ -166,13 +179,7 @@ class SenderState:
     def pending(self) -> list[str]:
         return list(self._entries)
 
-    def in_flight(self) -> int:
-        return sum(
-            len(e.stale_in_flight) + sum(r.state is RankState.WRITING for r in e.ranks.values())
-            for e in self._entries.values()
-        )
-
-    def rank_states(self, request_id: str) -> dict[int, RankState]:
+    def rank_states(self, request_id: str) -> dict[int, DecodeRankState]:
         """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
         entry = self._entries.get(request_id)
         return {} if entry is None else {d: r.state for d, r in entry.ranks.items()}
@@ -181,36 +188,17 @@ class SenderState:
     def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
         fail = self._refuse_registration(reg)
         if fail:
-            return [NotifyFailure(reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, fail)]
+            return [_refusal(reg, fail)]
         # An expired registration is refused only where it would be newly accepted: a late duplicate of
         # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
-        expired: list[SenderAction] = (
-            [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    "registration arrived after its expiry: not written",
-                )
-            ]
-            if now >= reg.expires_at
-            else []
-        )
+        late = "registration arrived after its expiry: not written"
+        expired: list[SenderAction] = [_refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
         if entry is None and tomb is not None:
             if reg.attempt <= tomb[0]:
                 return []  # a late duplicate of something already finished
-            return [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    "source KV already released (request finished on prefill)",
-                )
-            ]
+            return [_refusal(reg, "source KV already released (request finished on prefill)")]
         if entry is None:
             if expired:
                 return expired
@@ -219,15 +207,11 @@ class SenderState:
             )
         if entry.phase is SendPhase.ENDING:
             current = entry.ranks.get(reg.decode_rank) if reg.attempt == entry.attempt else None
-            if current is not None and current.state in (RankState.WRITING, RankState.DONE):
+            if current is not None and current.state in (DecodeRankState.WRITING, DecodeRankState.DONE):
                 return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
             if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
                 return []
-            return [
-                NotifyFailure(
-                    reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, entry.reason
-                )
-            ]
+            return [_refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
@@ -243,17 +227,11 @@ class SenderState:
             entry.deadline = now + self.lease_s
         rank = entry.ranks.get(reg.decode_rank)
         if rank is None or reg.decode_tp != entry.decode_tp:
+            why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                NotifyFailure(
-                    reg.request_id,
-                    reg.attempt,
-                    reg.decode_engine_id,
-                    reg.decode_rank,
-                    f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
-                    f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}",
-                )
+                _refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
             ]
-        if rank.state is RankState.OWED:
+        if rank.state is DecodeRankState.OWED:
             if expired:
                 return expired
             rank.reg = reg
@@ -266,7 +244,12 @@ class SenderState:
         if request_id in self._tombstones and request_id not in self._entries:
             return [
                 ReleaseSource(
-                    request_id, block_ids, False, 0, "request already finished or aborted on prefill"
+                    request_id,
+                    block_ids,
+                    False,
+                    0,
+                    "request already finished or aborted on prefill",
+                    Failure.ABORTED,
                 )
             ]
         entry = self._entries.get(request_id)
@@ -275,7 +258,8 @@ class SenderState:
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
         if entry.src_blocks is not None:
-            return [ReleaseSource(request_id, block_ids, False, 0, "duplicate prefill_done: kept the first")]
+            why = "duplicate prefill_done: kept the first"
+            return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
@@ -291,28 +275,21 @@ class SenderState:
         reason: str,
         now: float,
         abandoned: bool = False,
+        kind: Failure = Failure.WRITE_FAILED,
     ) -> list[SenderAction]:
-        """A WRITE settled: completed, failed, or (abandoned=True) given up at its timeout by the edge."""
+        """A WRITE settled: completed, failed (`kind` says how), or (abandoned=True) given up at its
+        timeout by the edge."""
         entry = self._entries.get(request_id)
         if entry is None:
             return []
+        why = f"WRITE failed: {reason}"
+        told = NotifyFailure(request_id, attempt, entry.decode_engine_id, decode_rank, why, abandoned, kind)
         if (attempt, decode_rank) in entry.stale_in_flight:
             entry.stale_in_flight.discard((attempt, decode_rank))  # a superseded attempt's WRITE settled
-            told: list[SenderAction] = []
-            if not ok:  # the decode's superseded attempt waits on it: say so
-                told.append(
-                    NotifyFailure(
-                        request_id,
-                        attempt,
-                        entry.decode_engine_id,
-                        decode_rank,
-                        f"WRITE failed: {reason}",
-                        abandoned,
-                    )
-                )
-            return told + self._advance(entry, now)
+            # if it failed, the decode's superseded attempt waits on it: say so
+            return ([] if ok else [told]) + self._advance(entry, now)
         rank = entry.ranks.get(decode_rank)
-        if attempt != entry.attempt or rank is None or rank.state is not RankState.WRITING:
+        if attempt != entry.attempt or rank is None or rank.state is not DecodeRankState.WRITING:
             return []  # not a WRITE this machine started: the edge reported something twice
         actions: list[SenderAction] = []
         if ok:
@@ -320,30 +297,25 @@ class SenderState:
             entry.nbytes += nbytes
         else:
             self._move(rank, RankEvent.WRITE_FAILED)
-            actions.append(
-                NotifyFailure(
-                    request_id,
-                    attempt,
-                    entry.decode_engine_id,
-                    decode_rank,
-                    f"WRITE failed: {reason}",
-                    abandoned,
-                )
-            )
-            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}")
+            actions.append(told)
+            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}", kind)
         return actions + self._advance(entry, now)
 
-    def abort(self, request_id: str, reason: str, now: float) -> list[SenderAction]:
+    def abort(
+        self, request_id: str, reason: str, now: float, kind: Failure = Failure.ABORTED
+    ) -> list[SenderAction]:
         entry = self._entries.get(request_id)
         if entry is None:
             self._tombstones.setdefault(request_id, (-1, now + self.tombstone_s))
             return []
-        return self._end(entry, reason) + self._advance(entry, now)
+        return self._end(entry, reason, kind) + self._advance(entry, now)
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
-        ack = NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason)
+        ack = NotifyFailure(
+            msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason, kind=Failure.ABORTED
+        )
         entry = self._entries.get(msg.request_id)
         if entry is None:
             tomb = self._tombstones.get(msg.request_id)
@@ -356,12 +328,12 @@ class SenderState:
             return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
         if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
             self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason), *self._advance(entry, now)]
+            return [ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
         rank = entry.ranks.get(msg.decode_rank)
         before = rank.state if rank is not None else None
-        actions = self._end(entry, reason) + self._advance(entry, now)
+        actions = self._end(entry, reason, Failure.ABORTED) + self._advance(entry, now)
         told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
-        if not told and before not in (RankState.WRITING, RankState.DONE):
+        if not told and before not in (DecodeRankState.WRITING, DecodeRankState.DONE):
             actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
         return actions
 
@@ -377,7 +349,7 @@ class SenderState:
                     why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
                 else:
                     why = f"lease expired: no registration from decode within {self.lease_s}s"
-                actions += self._end(entry, why) + self._advance(entry, now)
+                actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
             elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
                 self._finish(entry, now)  # waited long enough for a prefill_done that never came
         for rid, (_attempt, expiry) in list(self._tombstones.items()):
@@ -385,17 +357,13 @@ class SenderState:
                 del self._tombstones[rid]
         return actions
 
-    def pending_for(self, decode_engine_id: str) -> list[str]:
-        """Requests whose current attempt belongs to this decode engine (to fail them when it is gone)."""
-        return [rid for rid, e in self._entries.items() if e.decode_engine_id == decode_engine_id]
-
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
         """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
         return any(
             e.decode_engine_id == decode_engine_id
             and (
                 any(d == decode_rank for _a, d in e.stale_in_flight)
-                or (decode_rank in e.ranks and e.ranks[decode_rank].state is RankState.WRITING)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].state is DecodeRankState.WRITING)
             )
             for e in self._entries.values()
         )
@@ -404,12 +372,18 @@ class SenderState:
     def _expire_registrations(self, entry: _Entry, now: float) -> list[SenderAction]:
         """A registration whose expiry passed before its WRITE could start can never be served."""
         for d, rank in sorted(entry.ranks.items()):
-            if rank.state is RankState.REGISTERED and rank.reg is not None and now >= rank.reg.expires_at:
+            if (
+                rank.state is DecodeRankState.REGISTERED
+                and rank.reg is not None
+                and now >= rank.reg.expires_at
+            ):
                 self._move(rank, RankEvent.REFUSE)
                 why = "registration expired before prefill could write it"
                 return [
-                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, why),
-                    *self._end(entry, f"decode rank {d}'s {why}"),
+                    NotifyFailure(
+                        entry.request_id, entry.attempt, entry.decode_engine_id, d, why, kind=Failure.EXPIRED
+                    ),
+                    *self._end(entry, f"decode rank {d}'s {why}", Failure.EXPIRED),
                     *self._advance(entry, now),
                 ]
         return []
@@ -423,7 +397,7 @@ class SenderState:
     ) -> None:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
         entry.stale_in_flight |= {
-            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is RankState.WRITING
+            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is DecodeRankState.WRITING
         }
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
         entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
@@ -441,23 +415,28 @@ class SenderState:
             )
         return ""
 
-    def _end(self, entry: _Entry, reason: str) -> list[SenderAction]:
+    def _end(self, entry: _Entry, reason: str, kind: Failure) -> list[SenderAction]:
         """The request will write nothing more: registered ranks are told, owed ones just close."""
         if entry.phase is SendPhase.ENDING:
             return []
-        entry.phase, entry.reason = SendPhase.ENDING, reason
+        entry.phase, entry.reason, entry.kind = SendPhase.ENDING, reason, kind
         actions: list[SenderAction] = []
         for d, rank in sorted(entry.ranks.items()):
             before = rank.state
             self._move(rank, RankEvent.END)
-            if before is RankState.REGISTERED:
+            if before is DecodeRankState.REGISTERED:
                 actions.append(
-                    NotifyFailure(entry.request_id, entry.attempt, entry.decode_engine_id, d, reason)
+                    NotifyFailure(
+                        entry.request_id, entry.attempt, entry.decode_engine_id, d, reason, kind=kind
+                    )
                 )
         return actions
 
     def _advance(self, entry: _Entry, now: float) -> list[SenderAction]:
-        """Start what can start, then release the source once nothing can still read it. Never recurses."""
+        """Start what can start, then release the source once nothing can still read it.
+
+        Recurses at most once: `_expire_registrations` ends the entry (phase ENDING) before it calls back
+        here, and an ENDING entry expires nothing, so the inner call cannot recurse again."""
         actions: list[SenderAction] = []
         if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
             expired = self._expire_registrations(entry, now)
@@ -465,22 +444,15 @@ class SenderState:
                 return expired  # it ended the entry and advanced it already
         if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
             for d, rank in sorted(entry.ranks.items()):
-                if rank.state is not RankState.REGISTERED:
+                if rank.state is not DecodeRankState.REGISTERED:
                     continue
                 reg = rank.reg
                 assert reg is not None  # REGISTERED always holds its registration
                 if reg.num_tokens > entry.num_tokens:
                     self._move(rank, RankEvent.REFUSE)
-                    actions.append(
-                        NotifyFailure(
-                            entry.request_id,
-                            reg.attempt,
-                            reg.decode_engine_id,
-                            d,
-                            f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}",
-                        )
-                    )
-                    actions += self._end(entry, "token count mismatch")
+                    why = f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"
+                    actions.append(_refusal(reg, why))
+                    actions += self._end(entry, "token count mismatch", Failure.REFUSED)
                     break
                 self._move(rank, RankEvent.START)
                 actions.append(
@@ -500,13 +472,15 @@ class SenderState:
         if entry.writing():
             return actions
         states = {r.state for r in entry.ranks.values()}
-        if entry.phase is SendPhase.OPEN and entry.ranks and states == {RankState.DONE}:
+        if entry.phase is SendPhase.OPEN and entry.ranks and states == {DecodeRankState.DONE}:
             assert entry.src_blocks is not None  # DONE ranks were written from it
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)
         elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
             actions.append(
-                ReleaseSource(entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason)
+                ReleaseSource(
+                    entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason, entry.kind
+                )
             )
             self._finish(entry, None)
         return actions

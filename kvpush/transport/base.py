@@ -8,7 +8,7 @@ once, here at the boundary, into TransportError.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +33,7 @@ class PreparedList(Protocol):
     index, so a request costs index arrays instead of a fresh descriptor list."""
 
 
+@runtime_checkable
 class Transport(Protocol):
     name: str
 
@@ -65,6 +66,11 @@ class Transport(Protocol):
         self, local: PreparedList, local_idx: Indices, remote: PreparedList, remote_idx: Indices, notif: bytes
     ) -> XferHandle:
         """make_write + post: the per-request path."""
+        ...
+
+    def made_at(self) -> float | None:
+        """When the calling thread's last post_prepared had made its transfer and began posting it
+        (the timeline's `made`); None when the transport has no separate make step to time."""
         ...
 
     def release_prepared(self, plist: PreparedList) -> None: ...

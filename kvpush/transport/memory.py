@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class MemoryTransport:
         self.regions: list[Region] = []
         self.peers: set[str] = set()
         self.inbox: list[tuple[str, bytes]] = []
+        self._tls = threading.local()
         hub.agents[name] = self
 
     def _alive(self, peer: str | None = None) -> None:
@@ -187,8 +189,13 @@ class MemoryTransport:
         self, local: _Prepared, local_idx: Indices, remote: _Prepared, remote_idx: Indices, notif: bytes
     ) -> _Xfer:
         x = self.make_write(local, local_idx, remote, remote_idx, notif)
+        self._tls.made_at = time.monotonic()
         self._submit(x)
         return x
+
+    def made_at(self) -> float | None:
+        got: float | None = getattr(self._tls, "made_at", None)
+        return got
 
     def release_prepared(self, plist: _Prepared) -> None:
         pass

@@ -158,7 +158,6 @@ class NixlTransport:
         self.backends = chosen
         self.name = name
         self._registered: list[Any] = []
-        self._lock = threading.Lock()
         self._tls = threading.local()
 
     def register(self, regions: Sequence[Region], mem_type: str) -> None:

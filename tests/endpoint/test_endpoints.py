@@ -13,6 +13,7 @@ from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
 from kvpush.protocol.layout import KVLayout, LayoutError
+from kvpush.protocol.reasons import Failure
 from kvpush.transport.memory import MemoryHub, MemoryTransport
 from tests.endpoint.util import until
 
@@ -133,6 +134,7 @@ def test_decode_abort_mid_flight_waits_for_the_write_then_frees(pair):
     hub.release_held()
     [got] = until(d.finished)
     assert not got.ok and got.block_ids == (2, 3) and "client went away" in got.reason
+    assert got.failure is Failure.ABORTED
     [sent] = until(p.finished)
     assert sent.block_ids == (8, 9, 10, 11)
     assert p.pending() == 0 and d.pending() == 0
@@ -143,10 +145,11 @@ def test_prefill_abort_before_registration_fails_decode_fast(pair):
     p.prefill_done("gone", [1], 4)
     p.abort("gone")
     [sent] = until(p.finished)
-    assert not sent.ok
+    assert not sent.ok and sent.failure is Failure.ABORTED
     d.expect("gone", [1], 4, addr)
     [got] = until(d.finished, timeout=2.0)  # well before the 3 s ready timeout
     assert not got.ok and "released" in got.reason
+    assert got.failure is Failure.REMOTE  # the prefill said so; the wire carries only its text
 
 
 def test_lease_expiry_without_registration_frees_source(pair):
@@ -154,6 +157,7 @@ def test_lease_expiry_without_registration_frees_source(pair):
     p.prefill_done("orphan", [3, 4], 8)
     [sent] = until(p.finished, timeout=5.0)
     assert not sent.ok and "lease expired" in sent.reason and sent.block_ids == (3, 4)
+    assert sent.failure is Failure.EXPIRED
 
 
 def test_decode_times_out_when_prefill_never_runs(pair):

@@ -9,7 +9,7 @@ import time
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import MemoryControl
-from kvpush.endpoint.prefill import MAX_MESSAGES_PER_ROUND, PushWorker
+from kvpush.endpoint.prefill import MAX_MESSAGES_PER_ROUND, PushThread
 from kvpush.protocol.layout import KVLayout
 from kvpush.transport.memory import MemoryHub, MemoryTransport
 
@@ -19,8 +19,8 @@ def test_one_round_handles_a_bounded_number_of_flooded_messages():
     cache = HostKVCache(
         KVLayout(num_layers=1, block_size=4, num_blocks=8, total_kv_heads=1, head_dim=8, dtype_size=2)
     )
-    worker = PushWorker(
-        KVPushConfig.from_mapping(dict(engine_id="P", port=0)),
+    worker = PushThread(
+        KVPushConfig(engine_id="P", port=0),
         cache.layout,
         "DRAM",
         MemoryTransport("P-agent", MemoryHub()),

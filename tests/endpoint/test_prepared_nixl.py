@@ -90,7 +90,7 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major):
             for c in d_caches:
                 assert count_wrong_bytes(c.to_host(), c.layout, db, n, 7 + len(rid)) == 0
         for ep in pe:  # the prepared path was taken (not the build_plan fallback)
-            peers = ep._push.peers.values()
+            peers = ep._push.conns.peers.values()
             assert peers and all(
                 p.prepared and all(v is not None for v in p.prepared.values()) for p in peers
             )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvpush.protocol.sender import NotifyFailure, RankState, SenderState, StartWrite
+from kvpush.protocol.sender import DecodeRankState, NotifyFailure, SenderState, StartWrite
 from kvpush.protocol.wire import Registration
 
 
@@ -27,11 +27,11 @@ def test_a_late_duplicate_registration_never_fails_a_rank_whose_write_is_in_flig
     # rank 0's registration is delivered again after its expiry, while its WRITE is in flight
     late = s.on_registration(reg(0, expires_at=15.0), 15.0)
     assert not [a for a in late if isinstance(a, NotifyFailure)], late
-    assert s.rank_states("r")[0] is RankState.WRITING
+    assert s.rank_states("r")[0] is DecodeRankState.WRITING
     # a registration that would be newly accepted after its expiry is still refused
     refused = s.on_registration(reg(1, expires_at=15.0), 15.0)
     assert [type(a) for a in refused] == [NotifyFailure] and "expiry" in refused[0].reason
-    assert s.rank_states("r")[1] is RankState.OWED
+    assert s.rank_states("r")[1] is DecodeRankState.OWED
 
 
 def test_an_expired_registration_of_a_newer_attempt_does_not_supersede_the_current_one():
@@ -40,4 +40,4 @@ def test_an_expired_registration_of_a_newer_attempt_does_not_supersede_the_curre
     s.on_prefill_done("r", (5, 6), 8, 1.0)
     refused = s.on_registration(reg(0, expires_at=2.0, attempt=1), 3.0)
     assert [type(a) for a in refused] == [NotifyFailure]
-    assert s.rank_states("r")[0] is RankState.WRITING  # attempt 0's WRITE still counts
+    assert s.rank_states("r")[0] is DecodeRankState.WRITING  # attempt 0's WRITE still counts

@@ -11,12 +11,12 @@ import pytest
 
 from kvpush.errors import LocalProtocolError
 from kvpush.protocol import receiver, sender
-from kvpush.protocol.receiver import RECEIVER_TRANSITIONS, RecvEvent, SenderRankState, receiver_transition
-from kvpush.protocol.sender import SENDER_TRANSITIONS, RankEvent, RankState, sender_transition
+from kvpush.protocol.receiver import RECEIVER_TRANSITIONS, PrefillRankState, RecvEvent, receiver_transition
+from kvpush.protocol.sender import SENDER_TRANSITIONS, DecodeRankState, RankEvent, sender_transition
 
 TABLES = [
-    ("sender", RankState, RankEvent, SENDER_TRANSITIONS, sender_transition, sender.IGNORE),
-    ("receiver", SenderRankState, RecvEvent, RECEIVER_TRANSITIONS, receiver_transition, receiver.IGNORE),
+    ("sender", DecodeRankState, RankEvent, SENDER_TRANSITIONS, sender_transition, sender.IGNORE),
+    ("receiver", PrefillRankState, RecvEvent, RECEIVER_TRANSITIONS, receiver_transition, receiver.IGNORE),
 ]
 
 
@@ -86,8 +86,8 @@ def test_random_schedules_take_only_listed_transitions(monkeypatch):
     taken_r = {(s, e) for side, s, e in seen if side == "receiver"}
     assert taken_s <= set(SENDER_TRANSITIONS) and taken_r <= set(RECEIVER_TRANSITIONS)
     # the common paths are exercised, not just the table's existence
-    assert (RankState.REGISTERED, RankEvent.START) in taken_s and (
-        RankState.WRITING,
+    assert (DecodeRankState.REGISTERED, RankEvent.START) in taken_s and (
+        DecodeRankState.WRITING,
         RankEvent.WRITE_OK,
     ) in taken_s
-    assert (SenderRankState.EXPECTED, RecvEvent.DONE) in taken_r
+    assert (PrefillRankState.EXPECTED, RecvEvent.DONE) in taken_r

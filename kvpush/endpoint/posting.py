@@ -1,7 +1,7 @@
-"""Posting workers: threads that post WRITEs and poll them to completion on the push thread's behalf.
+"""Posting threads: they post WRITEs and poll them to completion on the push thread's behalf.
 
-The push thread keeps the state machine (single-threaded); a worker only runs a job's `post` callable
-(make + post on the shared transport), polls the handle until it settles, releases it, and hands the job
+The push thread keeps the state machine (single-threaded); a posting thread only posts a job's `spec`
+(a WRITE described as data: make + post on the shared transport), polls the handle until it settles, releases it, and hands the job
 back through `results` plus a wake-up call (the push thread's doorbell). Several jobs can be in flight
 on one worker; the push thread decides which worker a job goes to (kvpush keeps one destination on one
 worker while it has WRITEs in flight there, so that destination's posts stay in order).
@@ -25,9 +25,43 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .base import Transport, TransportError, XferHandle
+from ..errors import ConfigError, TransportError
+from ..transport.base import Descs, Indices, PreparedList, Transport, XferHandle
 
 log = logging.getLogger("kvpush")
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """A WRITE by index into a pair's prepared lists (the per-request path)."""
+
+    local: PreparedList
+    local_idx: Indices
+    remote: PreparedList
+    remote_idx: Indices
+    notif: bytes
+
+
+@dataclass(frozen=True)
+class DescWrite:
+    """A WRITE of fresh descriptor lists (the fallback when a pair has no prepared lists)."""
+
+    peer: str
+    local: Descs
+    remote: Descs
+    notif: bytes
+    mem_type: str
+
+
+WriteSpec = PreparedWrite | DescWrite
+
+
+def post(transport: Transport, spec: WriteSpec) -> XferHandle:
+    """Make and post one WRITE; the only place a WRITE leaves kvpush (push or posting thread)."""
+    if isinstance(spec, PreparedWrite):
+        return transport.post_prepared(spec.local, spec.local_idx, spec.remote, spec.remote_idx, spec.notif)
+    return transport.post_write(spec.peer, spec.local, spec.remote, spec.notif, spec.mem_type)
+
 
 JobState = Literal["queued", "posted", "done", "failed", "skipped"]
 
@@ -38,7 +72,7 @@ class PostJob:
     worker) to make the worker drop the job: not posted if it was not yet, else its handle released and no
     result handed back."""
 
-    post: Callable[[], XferHandle]
+    spec: WriteSpec
     deadline: float  # monotonic: the worker never posts at or after it
     state: JobState = "queued"
     error: str = ""
@@ -55,7 +89,7 @@ class PostingPool:
 
     def __init__(self, transport: Transport, workers: int, wake: Callable[[], None], poll_s: float) -> None:
         if workers < 1:
-            raise ValueError(f"a posting pool needs at least one worker, got {workers}")
+            raise ConfigError(f"a posting pool needs at least one worker, got {workers}")
         self.transport = transport
         self.wake = wake
         self.poll_s = poll_s
@@ -91,7 +125,7 @@ class PostingPool:
             try:
                 self.transport.release(job.handle)
             except TransportError as exc:
-                log.warning("kvpush posting worker: %s", exc)
+                log.warning("kvpush posting thread: %s", exc)
             job.handle = None
         if not job.abandoned:
             self.results.put(job)
@@ -105,10 +139,11 @@ class PostingPool:
             self._settle(job, "skipped", "not posted: its WRITE deadline passed while it was queued")
             return False
         try:
-            job.handle = job.post()
+            job.handle = post(self.transport, job.spec)
         except TransportError as exc:
             self._settle(job, "failed", str(exc))
             return False
+        job.made_at = self.transport.made_at() or 0.0
         job.posted_at = time.monotonic()
         job.state = "posted"
         return True

@@ -1,0 +1,486 @@
+"""The prefill's table of decode connections: the side channel, seen from the push thread.
+
+It owns everything about who is on the other end: fair receive with per-connection backlogs, the Hello
+and its session keys (HMAC confirmation when keyed), the (engine, rank) identity each connection binds,
+admission limits on pending registrations, liveness (pings, silent connections dropped, unused NIXL peers
+pruned) and sealed replies and refusals. It never touches the sender machine: what the machine must hear
+comes back as events (`Admitted`, `DecodeAborted`, `PeerDropped`), in the order the frames arrived.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from ..config import KVPushConfig
+from ..errors import LayoutError, TransportError, WireError
+from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
+from ..protocol.layout import KVLayout
+from ..protocol.prepared import PairUnits, pair_units
+from ..protocol.tp import receivers_for
+from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
+from ..transport.base import PreparedList, Transport
+from .control import ControlListener
+from .stats import Count, Ledger
+
+log = logging.getLogger("kvpush")
+
+# At most this many side-channel messages per loop round, so one flooding peer cannot starve WRITE
+# progress, completions and ticks; per connection, config.limits.max_messages_per_peer_round (the rest of a
+# connection's messages wait, in order, in its backlog, so one peer cannot starve the others either).
+MAX_MESSAGES_PER_ROUND = 64
+MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; beyond: refused
+MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
+
+Identity = tuple[str, int]  # (decode engine id, decode rank)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A registration passed identity and admission checks: the sender machine takes it."""
+
+    registration: Registration
+    at: float
+
+
+@dataclass(frozen=True)
+class DecodeAborted:
+    abort: Abort
+
+
+@dataclass(frozen=True)
+class PeerDropped:
+    """A decode connection is gone or replaced: the requests it registered end with `reason`."""
+
+    request_ids: tuple[str, ...]
+    reason: str
+
+
+ConnEvent = Admitted | DecodeAborted | PeerDropped
+
+
+class SenderView(Protocol):
+    """What the table asks the sender machine (queries only; SenderState satisfies it)."""
+
+    def pending(self) -> list[str]: ...
+    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool: ...
+
+
+@dataclass
+class Prepared:
+    """A pair's prepared lists: made once at handshake, indexed by every request to that decode rank."""
+
+    units: PairUnits
+    local: PreparedList
+    remote: PreparedList
+
+
+@dataclass
+class DecodePeer:
+    """A bound decode rank's NIXL agent, layout and prepared lists (per head range)."""
+
+    agent: str
+    layout: KVLayout
+    prepared: dict[tuple[int, int], Prepared | None] = field(default_factory=dict)
+
+
+@dataclass
+class _Conn:
+    """One side-channel connection: its session once a Hello is accepted, and what it may do."""
+
+    conn: bytes
+    seen_at: float
+    session: Session | None = None
+    identity: Identity | None = None  # (decode engine id, rank) its Hello bound
+    instance: bytes = b""
+    agent: str = ""
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    backlog: deque[bytes] = field(default_factory=deque)
+    regs: dict[str, int] = field(default_factory=dict)  # pending request -> bytes of its block table
+    reg_bytes: int = 0
+    # Keyed: a Hello alone binds nothing (a captured one can be replayed on any connection); the identity
+    # moves here with the first sealed message that opens, which needs the key and this session's nonces.
+    confirmed: bool = True
+    peer_layout: KVLayout | None = None
+
+
+def _or_none(events: list[ConnEvent]) -> list[ConnEvent | None]:
+    """The events of one message, or one None: each handled message yields at least once."""
+    return list(events) if events else [None]
+
+
+class DecodeConnections:
+    """Side-channel connections of one prefill rank, the decode ranks they bind, and those ranks' peers."""
+
+    def __init__(
+        self,
+        config: KVPushConfig,
+        layout: KVLayout,
+        mem_type: str,
+        codec: Codec,
+        hello: Hello,
+        transport: Transport,
+        listener: ControlListener,
+        ledger: Ledger,
+        sender: SenderView,
+    ) -> None:
+        self.config, self.layout, self.mem_type, self.codec = config, layout, mem_type, codec
+        self.hello, self.transport, self.listener, self.ledger = hello, transport, listener, ledger
+        self.sender = sender
+        self.conns: dict[bytes, _Conn] = {}
+        self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
+        self.peers: dict[Identity, DecodePeer] = {}
+
+    def session(self, identity: Identity) -> Session | None:
+        """The live session of the connection that decode rank is bound to."""
+        conn = self.bound.get(identity)
+        c = self.conns.get(conn) if conn is not None else None
+        return None if c is None else c.session
+
+    # ---- receive --------------------------------------------------------------------------------
+    def receive(self, now: float) -> Iterator[ConnEvent | None]:
+        """One round of side-channel messages, fair per connection: each gets at most its share a round
+        (the rest wait in order in its backlog), and the round as a whole is capped. Yields what the
+        sender machine must hear, as it happens (None: a message was handled, nothing to tell)."""
+        cap = self.config.limits.max_messages_per_peer_round
+        counts: dict[bytes, int] = {}
+        for c in [c for c in self.conns.values() if c.backlog]:
+            while c.backlog and counts.get(c.conn, 0) < cap:
+                counts[c.conn] = counts.get(c.conn, 0) + 1
+                yield from _or_none(self._on_side_message(c.conn, c.backlog.popleft(), now))
+        for _ in range(MAX_MESSAGES_PER_ROUND):
+            got = self.listener.recv()
+            if got is None:
+                break
+            conn, data = got
+            counts[conn] = counts.get(conn, 0) + 1
+            known = self.conns.get(conn)
+            if known is not None and data is not None and (known.backlog or counts[conn] > cap):
+                if len(known.backlog) >= MAX_BACKLOG:
+                    self.ledger.add(Count.REFUSED)
+                    self.refuse(conn, "too many messages queued on this connection: slow down", "limit")
+                else:
+                    known.backlog.append(data)
+                yield None
+                continue
+            yield from _or_none(self._on_side_message(conn, data, now))
+
+    def _on_side_message(self, conn: bytes, data: bytes | None, now: float) -> list[ConnEvent]:
+        """One frame from one connection. Nothing a peer sends can raise out of here: bad frames are
+        counted and answered; a Registration or Abort counts only on the connection whose Hello bound
+        that (engine, rank), through that connection's session (authenticated, in order, no replays)."""
+        c = self.conns.get(conn)
+        if c is None or c.session is None:
+            return self._on_first_message(conn, data, now)
+        msg = self._open(data, c.identity, c.session)
+        if msg is None:
+            self.refuse(conn, "message refused: could not decode or authenticate it (see prefill log)")
+            return []
+        c.last_heard = now
+        events: list[ConnEvent] = []
+        if not c.confirmed:
+            events += self._bind(c, now)  # the first sealed message that opens proves the key and session
+            if not c.confirmed:
+                return events
+        if isinstance(msg, Registration):
+            if self._admit_registration(c, msg):
+                events.append(Admitted(msg, now))
+        elif isinstance(msg, Abort):
+            if (msg.decode_engine_id, msg.decode_rank) != c.identity:
+                self.ledger.add(Count.REFUSED)
+                self.refuse(
+                    conn,
+                    f"abort for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on the "
+                    f"connection of {c.identity}",
+                    "not_allowed",
+                    msg.request_id,
+                    msg.attempt,
+                )
+            else:
+                events.append(DecodeAborted(msg))
+        elif isinstance(msg, Ping):
+            self.send_sealed(c, Pong(clock=time.monotonic()))
+        elif not isinstance(msg, Pong):  # last_heard is all a pong is for
+            self.ledger.add(Count.WIRE_ERRORS)
+            self.refuse(conn, f"prefill does not accept {type(msg).__name__} messages here")
+        return events
+
+    def _open(self, data: bytes | None, identity: Identity | None, session: Session) -> Message | None:
+        try:
+            if data is None:
+                raise WireError("malformed frame (wrong number of parts or over the size limit)")
+            return session.open(data)
+        except WireError as exc:
+            self.ledger.add(Count.WIRE_ERRORS)
+            log.warning("kvpush: dropped a message from %s: %s", ascii(f"decode {identity}"), exc)
+            return None
+
+    def _on_first_message(self, conn: bytes, data: bytes | None, now: float) -> list[ConnEvent]:
+        """A connection without a session may only say Hello."""
+        key = self.config.security.hmac_key
+        try:
+            if data is None:
+                raise WireError("malformed frame (wrong number of parts or over the size limit)")
+            hello = open_hello(self.codec, data, key)
+        except AuthMismatch as exc:
+            self.ledger.add(Count.REFUSED)
+            log.warning("kvpush prefill: refused a handshake: %s", exc)
+            self.refuse(conn, str(exc), "auth_required" if key is not None else "auth_unexpected")
+            return []
+        except WireError as exc:
+            self.ledger.add(Count.WIRE_ERRORS)
+            log.warning("kvpush prefill: dropped a message from an unknown connection: %s", exc)
+            self.refuse(conn, f"message refused: send hello first ({exc})", "hello_first")
+            return []
+        return self._on_hello(conn, hello, now)
+
+    # ---- handshake and identity -----------------------------------------------------------------
+    def _on_hello(self, conn: bytes, hello: Hello, now: float) -> list[ConnEvent]:
+        allowed = self.config.security.allowed_decode_ids
+        if allowed and hello.engine_id not in allowed:
+            self.ledger.add(Count.REFUSED)
+            log.warning(
+                "kvpush prefill: refused decode %s: not in allowed_decode_ids", ascii(hello.engine_id)
+            )
+            self.refuse(
+                conn,
+                f"decode engine {hello.engine_id!r} is not in this prefill's allowed_decode_ids",
+                "not_allowed",
+            )
+            return []
+        try:
+            peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
+        except LayoutError as exc:
+            self.refuse(conn, str(exc), "refused")
+            return []
+        identity = (hello.engine_id, peer_layout.tp_rank)
+        in_use, events = self._identity_in_use(conn, identity, now)
+        if in_use:
+            return events
+        try:
+            agent = self.transport.add_peer(hello.agent_metadata)
+            self.transport.connect(agent)  # at handshake, not on the first request's critical path
+        except TransportError as exc:
+            self.refuse(conn, str(exc), "refused")
+            return events
+        nonce = os.urandom(16)
+        c = _Conn(
+            conn,
+            now,
+            Session(self.codec, self.config.security.hmac_key, hello.nonce, nonce, "prefill"),
+            identity,
+            hello.instance,
+            agent,
+            now,
+            now,
+            confirmed=self.config.security.hmac_key is None,
+            peer_layout=peer_layout,
+        )
+        self._track(c)
+        if c.confirmed:
+            events += self._bind(c, now)
+        reply = msgspec.structs.replace(self.hello, nonce=nonce, clock=time.monotonic())
+        self._send_raw(conn, hello_frame(self.codec, reply, self.config.security.hmac_key, echo=hello.nonce))
+        return events
+
+    def _identity_in_use(self, conn: bytes, identity: Identity, now: float) -> tuple[bool, list[ConnEvent]]:
+        """Refuse (and say so) when the identity is bound to another live connection; an old one that is
+        provably gone is dropped (its requests end: the events say which)."""
+        old_conn = self.bound.get(identity)
+        old = self.conns.get(old_conn) if old_conn is not None else None
+        if old is None or old.conn == conn:
+            return False, []
+        if self._provably_gone(old, now):
+            return False, self._drop(old, "a new handshake replaced it")
+        engine, rank = identity
+        self.ledger.add(Count.REFUSED)
+        log.warning(
+            "kvpush prefill: decode %s rank %s is bound to a live connection; refused a new hello for it",
+            ascii(engine),
+            rank,
+        )
+        self.refuse(
+            conn,
+            f"decode {engine!r} rank {rank} is bound to a live connection; a new hello is accepted once "
+            f"that one is gone (silent for {self.config.liveness.peer_timeout_s}s, or its NIXL agent disconnected)",
+            "identity_in_use",
+        )
+        return True, []
+
+    def _bind(self, c: _Conn, now: float) -> list[ConnEvent]:
+        """The connection's identity is proven (unkeyed: at its Hello; keyed: at its first sealed message):
+        it is bound here, its NIXL peer and prepared lists set up, and an old connection replaced."""
+        assert c.identity is not None and c.peer_layout is not None
+        in_use, events = self._identity_in_use(c.conn, c.identity, now)
+        if in_use:
+            self.conns.pop(c.conn, None)
+            return events
+        c.confirmed = True
+        self.bound[c.identity] = c.conn
+        peer = self.peers[c.identity] = DecodePeer(c.agent, c.peer_layout)
+        owed = receivers_for(
+            self.layout.tp_rank, self.layout.tp_size, c.peer_layout.tp_size, self.layout.total_kv_heads
+        ).get(c.peer_layout.tp_rank)
+        if owed is not None:
+            self.prepared(peer, owed)  # at handshake: the first request only computes indices
+        self.ledger.peers(len(self.bound))
+        return events
+
+    def prepared(self, peer: DecodePeer, heads: tuple[int, int]) -> Prepared | None:
+        """Prepare (once) the local and remote descriptor lists of this pair; None: this pair posts
+        fresh descriptor lists (build_plan) instead, e.g. when its units overflow NIXL's int32 indices."""
+        if heads in peer.prepared:
+            return peer.prepared[heads]
+        prepared: Prepared | None = None
+        try:
+            units = pair_units(self.layout, peer.layout, heads)
+            local = self.transport.prepare(None, units.s.rows, self.mem_type)
+            remote = self.transport.prepare(peer.agent, units.d.rows, self.mem_type)
+            prepared = Prepared(units, local, remote)
+        except (LayoutError, TransportError) as exc:
+            log.warning(
+                "kvpush prefill: no prepared lists for %s (%s); posting descriptor lists", peer.agent, exc
+            )
+        peer.prepared[heads] = prepared
+        return prepared
+
+    def _admit_registration(self, c: _Conn, msg: Registration) -> bool:
+        """Checks before any per-rank work: the identity its connection bound, the TP that identity's
+        handshake declared, and this peer's limits on pending registrations and their bytes."""
+        why, code = "", "refused"
+        peer = self.peers.get(c.identity) if c.identity is not None else None
+        size = 8 * len(msg.block_ids) + len(msg.request_id)
+        cfg = self.config
+        if (msg.decode_engine_id, msg.decode_rank) != c.identity:
+            why = f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
+            why, code = why + f"the connection of {c.identity}", "not_allowed"
+        elif peer is None:
+            why = "no handshake for this decode rank: send hello first"
+            self.refuse(c.conn, why, "hello_first", msg.request_id, msg.attempt)  # not counted: no peer yet
+            return False
+        elif msg.decode_tp != peer.layout.tp_size:
+            why = f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}"
+        elif msg.request_id not in c.regs:
+            if (
+                len(c.regs) >= cfg.limits.max_pending_per_peer
+                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
+            ):
+                live = set(self.sender.pending())
+                c.regs = {r: n for r, n in c.regs.items() if r in live}
+                c.reg_bytes = sum(c.regs.values())
+            if (
+                len(c.regs) >= cfg.limits.max_pending_per_peer
+                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
+            ):
+                why = (
+                    f"too many pending registrations from this decode rank ({len(c.regs)}, "
+                    f"{c.reg_bytes} bytes; limits {cfg.limits.max_pending_per_peer}, "
+                    f"{cfg.limits.max_pending_bytes_per_peer})"
+                )
+                code = "limit"
+        if why:
+            self.ledger.add(Count.REFUSED)
+            self.refuse(c.conn, why, code, msg.request_id, msg.attempt)
+            return False
+        if msg.request_id not in c.regs:
+            c.regs[msg.request_id] = size
+            c.reg_bytes += size
+        return True
+
+    # ---- liveness -------------------------------------------------------------------------------
+    def _provably_gone(self, c: _Conn, now: float) -> bool:
+        """A bound identity may move to a new connection only once the old one is gone: silent past
+        peer_timeout_s, or its NIXL agent refuses a notification."""
+        if now - c.last_heard >= self.config.liveness.peer_timeout_s:
+            return True
+        try:
+            self.transport.send_notif(c.agent, b"")
+        except TransportError:
+            return True
+        return False
+
+    def _drop(self, c: _Conn, reason: str) -> list[ConnEvent]:
+        """Forget a connection; the requests its decode registered fail (the decode is gone or replaced)."""
+        self.conns.pop(c.conn, None)
+        events: list[ConnEvent] = []
+        if c.identity is not None and self.bound.get(c.identity) == c.conn:
+            del self.bound[c.identity]
+            self.ledger.add(Count.PEERS_GONE)
+            engine, rank = c.identity
+            events.append(PeerDropped(tuple(c.regs), f"decode {engine!r} rank {rank}: {reason}"))
+        self.ledger.peers(len(self.bound))
+        return events
+
+    def _track(self, c: _Conn) -> None:
+        self.conns[c.conn] = c
+        if len(self.conns) > MAX_CONNECTIONS:
+            for old in sorted(self.conns.values(), key=lambda x: x.seen_at)[: len(self.conns) // 4]:
+                if old.identity is None or self.bound.get(old.identity) != old.conn:
+                    self.conns.pop(old.conn, None)
+
+    def liveness(self, now: float) -> list[ConnEvent]:
+        """Ping bound connections; drop silent ones; prune NIXL peers nothing uses any more."""
+        cfg = self.config
+        events: list[ConnEvent] = []
+        for c in list(self.conns.values()):
+            if c.session is None:
+                continue
+            if now - c.last_ping >= cfg.liveness.ping_interval_s:
+                c.last_ping = now
+                self.send_sealed(c, Ping(clock=time.monotonic()))
+            if now - c.last_heard >= cfg.liveness.peer_timeout_s:
+                log.warning(
+                    "kvpush prefill: decode %s silent for %.1fs: dropped",
+                    ascii(str(c.identity)),
+                    now - c.last_heard,
+                )
+                events += self._drop(c, f"silent for {now - c.last_heard:.1f}s")
+        in_use = {c.agent for c in self.conns.values()}
+        for identity, peer in list(self.peers.items()):
+            if identity in self.bound or self.sender.writing_to(*identity):
+                continue
+            del self.peers[identity]
+            if peer.agent not in in_use:
+                with contextlib.suppress(TransportError):
+                    self.transport.remove_peer(peer.agent)
+        return events
+
+    # ---- sending --------------------------------------------------------------------------------
+    def send_to(self, identity: Identity, msg: Message) -> bool:
+        """Send msg sealed to the connection that decode rank is bound to; False if it has none."""
+        conn = self.bound.get(identity)
+        c = self.conns.get(conn) if conn is not None else None
+        if c is None or c.session is None:
+            return False
+        self.send_sealed(c, msg)
+        return True
+
+    def send_sealed(self, c: _Conn, msg: Message) -> None:
+        assert c.session is not None
+        self._send_raw(c.conn, c.session.seal(msg))
+
+    def refuse(
+        self, conn: bytes, reason: str, code: str = "", request_id: str = "", attempt: int = 0
+    ) -> None:
+        """Answer a connection with an ErrorReply: sealed if it has a session, else plain."""
+        msg = ErrorReply(reason=reason[:2000], request_id=request_id, attempt=attempt, code=code)
+        c = self.conns.get(conn)
+        if c is not None and c.session is not None:
+            self._send_raw(conn, c.session.seal(msg))
+        else:
+            self._send_raw(conn, bytes([PLAIN]) + self.codec.encode(msg))
+
+    def _send_raw(self, conn: bytes, frame: bytes) -> None:
+        try:
+            self.listener.send(conn, frame)
+        except TransportError as exc:
+            log.warning("kvpush prefill: could not reply on side channel: %s", exc)

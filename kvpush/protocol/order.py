@@ -1,0 +1,55 @@
+"""What one StartWrite becomes on the wire, in one pure call: the plan and the sealed notification.
+
+The push thread makes one trip into protocol/ per WRITE (`write_order`), and one per failure it tells a
+decode rank (`failure_notice`); the sender machine, the planner and the session stay behind these two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .handshake import Session
+from .layout import KVLayout
+from .plan import TransferPlan, build_plan
+from .prepared import IndexPlan, PairUnits, build_index_plan
+from .sender import NotifyFailure, StartWrite
+from .wire import TransferDone, TransferFailed
+
+NOTIF = b"notif"  # the session channel NIXL notifications are sealed on
+
+
+@dataclass(frozen=True)
+class WriteOrder:
+    """Everything a WRITE needs from the protocol: which bytes go where, and the decode's notification."""
+
+    plan: TransferPlan | IndexPlan
+    notif: bytes  # TransferDone, sealed for the destination rank's session
+
+
+def write_order(
+    act: StartWrite, src: KVLayout, dst: KVLayout, units: PairUnits | None, session: Session
+) -> WriteOrder:
+    """The WRITE for `act` from this rank's layout `src` into the decode rank's `dst`: indices into the
+    pair's prepared lists when it has them (`units`), else fresh descriptor lists. LayoutError if the
+    blocks do not fit."""
+    plan: TransferPlan | IndexPlan
+    if units is not None:
+        plan = build_index_plan(units, act.src_blocks, act.dst_blocks, act.num_tokens)
+    else:
+        plan = build_plan(src, dst, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads)
+    done = TransferDone(
+        request_id=act.request_id, attempt=act.attempt, prefill_rank=src.tp_rank, nbytes=plan.nbytes
+    )
+    return WriteOrder(plan, session.seal(done, NOTIF))
+
+
+def failure_notice(act: NotifyFailure, prefill_rank: int, session: Session) -> bytes:
+    """The sealed TransferFailed that tells a decode rank we will not write (or gave a WRITE up)."""
+    msg = TransferFailed(
+        request_id=act.request_id,
+        attempt=act.attempt,
+        prefill_rank=prefill_rank,
+        reason=act.reason[:2000],
+        abandoned=act.abandoned,
+    )
+    return session.seal(msg, NOTIF)
