@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpush.backends.base import CacheSetup, setup_for_tensors
+from kvpush.backends.select import CacheSetup, setup_for_tensors
 from kvpush.protocol.layout import KVLayout
 
 from .layout_probe import (
