@@ -107,7 +107,7 @@ class DecodeWorker(WorkerBase):
                 it.key,
                 expand_blocks(it.block_ids, self.cache.ratio),
                 it.num_tokens,
-                PrefillAddress(it.engine_id, it.host, it.port, it.tp_size, it.pp_size),
+                it.prefill,
             )
         self.instant_fail.extend(meta.fail_recv)
         for rid in meta.abort_recv:
@@ -118,7 +118,7 @@ class DecodeWorker(WorkerBase):
         for c in meta.cancel_recv:
             self.endpoint.cancel(
                 c.key,
-                PrefillAddress(c.engine_id, c.host, c.port, c.tp_size, c.pp_size),
+                c.prefill,
                 "request dropped on decode before its blocks were allocated",
             )
         if meta.expect or meta.abort_recv:
