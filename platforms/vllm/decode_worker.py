@@ -25,8 +25,9 @@ from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
 from .layout_probe import expand_blocks
+from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
-from .worker_common import WorkerBase, debug_checksums
+from .worker_common import WorkerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
