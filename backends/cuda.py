@@ -60,11 +60,89 @@ def cuda_event_barrier(device: int | None = None, stream: Any = None) -> Barrier
     return sync
 
 
-class _TorchRegions:
-    """Region copies through flat uint8 views of the regions' device storages (push/decode thread)."""
+def _require_cuda() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise CudaUnavailable("the CUDA backend needs torch with CUDA support") from exc
+    if not torch.cuda.is_available():
+        raise CudaUnavailable("torch sees no CUDA device")
+    return torch
 
-    flat: list[Any]
+
+class CudaKVCache:
+    """A rank's KV cache in VRAM: allocated here (`CudaKVCache(layout, device)`, every plane back to back,
+    one registration) or owned by the engine (`CudaKVCache.wrap`, vLLM's tensors, one per layer).
+
+    Region copies (push/decode thread) go through flat uint8 views of the regions' device storages.
+    """
+
+    mem_type = "VRAM"
     device_type = "cuda"
+
+    layout: KVLayout
+    device: int
+    flat: list[Any]  # one flat uint8 tensor per region, over the region's storage
+
+    def __init__(self, layout: KVLayout, device: int = 0, environ: Mapping[str, str] | None = None) -> None:
+        """Allocate zeroed VRAM on `device` for the whole cache."""
+        check_allocator_config(environ)
+        torch = _require_cuda()
+        plane_bytes = layout.num_blocks * layout.block_stride
+        nbytes = plane_bytes * layout.num_layers * layout.kv_per_layer
+        tensor = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
+        self._place(packed_planes(layout, int(tensor.data_ptr()), device_id=device), [tensor], device)
+
+    @classmethod
+    def wrap(
+        cls, layout: KVLayout, tensors: list[Any], environ: Mapping[str, str] | None = None
+    ) -> CudaKVCache:
+        """VRAM KV tensors the engine owns, described by the probe's placed layout.
+
+        `tensors` are the engine's KV tensors in region order (one per region: the probe makes one region
+        per distinct storage); they are kept alive through the flat views the copies use.
+        """
+        check_allocator_config(environ)
+        import torch
+
+        if len(tensors) != len(layout.regions):
+            raise LayoutError(f"{len(tensors)} tensors for {len(layout.regions)} regions")
+        flat = []
+        for t, r in zip(tensors, layout.regions, strict=True):
+            view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+            if int(view.data_ptr()) != r.addr:
+                raise LayoutError(f"tensor storage at {view.data_ptr():#x} is not region {r}")
+            flat.append(view)
+        cache = cls.__new__(cls)
+        cache._place(layout, flat, layout.regions[0].device_id)
+        return cache
+
+    def _place(self, layout: KVLayout, flat: list[Any], device: int) -> None:
+        self.layout = layout
+        self.flat = flat
+        self.device = device
+
+    @property
+    def tensor(self) -> Any:
+        """The whole cache as one flat tensor (a cache in one region: every allocated one)."""
+        if len(self.flat) != 1:
+            raise LayoutError(f"this CUDA cache spans {len(self.flat)} regions, not one tensor")
+        return self.flat[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(f.numel()) for f in self.flat)
+
+    @property
+    def device_id(self) -> int:
+        return self.device
+
+    @property
+    def regions(self) -> tuple[Region, ...]:
+        return self.layout.regions
+
+    def kv_written_barrier(self) -> Barrier | None:
+        return cuda_event_barrier(self.device)
 
     def read_into(self, region: int, offset: int, out: Bytes) -> None:
         import torch
@@ -83,47 +161,6 @@ class _TorchRegions:
         dst.copy_(torch.from_numpy(src))
         torch.cuda.current_stream(dst.device).synchronize()  # complete before "ready" (not the engine thread)
 
-
-def _require_cuda() -> Any:
-    try:
-        import torch
-    except ImportError as exc:
-        raise CudaUnavailable("the CUDA backend needs torch with CUDA support") from exc
-    if not torch.cuda.is_available():
-        raise CudaUnavailable("torch sees no CUDA device")
-    return torch
-
-
-class CudaKVCache(_TorchRegions):
-    """A rank's KV cache allocated here in VRAM, every plane back to back (one registration)."""
-
-    mem_type = "VRAM"
-
-    def __init__(self, layout: KVLayout, device: int = 0, environ: Mapping[str, str] | None = None) -> None:
-        check_allocator_config(environ)
-        torch = _require_cuda()
-        plane_bytes = layout.num_blocks * layout.block_stride
-        nbytes = plane_bytes * layout.num_layers * layout.kv_per_layer
-        self.device = device
-        self.tensor: Any = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{device}")
-        self.flat = [self.tensor]
-        self.layout = packed_planes(layout, int(self.tensor.data_ptr()), device_id=device)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.tensor.numel())
-
-    @property
-    def device_id(self) -> int:
-        return self.device
-
-    @property
-    def regions(self) -> tuple[Region, ...]:
-        return self.layout.regions
-
-    def kv_written_barrier(self) -> Barrier | None:
-        return cuda_event_barrier(self.device)
-
     def to_host(self) -> np.ndarray:
         """A host copy of the whole cache (for filling and checking test patterns)."""
         return np.asarray(self.tensor.cpu().numpy())
@@ -133,41 +170,3 @@ class CudaKVCache(_TorchRegions):
 
         self.tensor.copy_(torch.from_numpy(host))
         torch.cuda.synchronize(self.device)
-
-
-class CudaTensorKVCache(_TorchRegions):
-    """VRAM KV tensors the engine owns (vLLM's, one per layer), described by the probe's placed layout.
-
-    `tensors` are the engine's KV tensors in region order (one per region: the probe makes one region per
-    distinct storage); they are kept alive and give the flat views the copies use.
-    """
-
-    mem_type = "VRAM"
-
-    def __init__(
-        self, layout: KVLayout, tensors: list[Any], environ: Mapping[str, str] | None = None
-    ) -> None:
-        check_allocator_config(environ)
-        import torch
-
-        if len(tensors) != len(layout.regions):
-            raise LayoutError(f"{len(tensors)} tensors for {len(layout.regions)} regions")
-        self.layout = layout
-        self.flat = []
-        for t, r in zip(tensors, layout.regions, strict=True):
-            flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
-            if int(flat.data_ptr()) != r.addr:
-                raise LayoutError(f"tensor storage at {flat.data_ptr():#x} is not region {r}")
-            self.flat.append(flat)
-        self.device = layout.regions[0].device_id
-
-    @property
-    def device_id(self) -> int:
-        return self.device
-
-    @property
-    def regions(self) -> tuple[Region, ...]:
-        return self.layout.regions
-
-    def kv_written_barrier(self) -> Barrier | None:
-        return cuda_event_barrier(self.device)

@@ -15,7 +15,8 @@ errors (facts and sources: ../shared/notes/neuron.md):
   Neuron memory: wrong output, no error).
 
 vllm-neuron hands over one tensor per attention layer, (2, B, H, N, D): the layout probe makes one region
-per layer tensor with a K and a V plane; `NeuronKVCache` wraps them. The runtime is reached through
+per layer tensor with a K and a V plane; `NeuronKVCache.wrap` describes them, `NeuronKVCache.allocate`
+allocates the same shape through the runtime. The runtime is reached through
 ctypes (`NeuronRuntime`); tests load a stand-in library written in this project instead of libnrt.
 
 Not run here: no Trainium, no EFA. The stand-in exercises the probing, the checks and the staging copies.
@@ -331,7 +332,7 @@ class NeuronKVCache:
         return cache
 
     @classmethod
-    def from_tensors(cls, layout: KVLayout, tensors: list[Any]) -> NeuronKVCache:
+    def wrap(cls, layout: KVLayout, tensors: list[Any]) -> NeuronKVCache:
         """vllm-neuron's KV tensors (one per region, in region order, as the layout probe placed them).
 
         Host copies go through torch on flat uint8 views of the tensors' storages; a host -> device copy

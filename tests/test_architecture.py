@@ -122,3 +122,96 @@ def test_backends_and_platforms_import_their_own_modules_relatively():
                     assert not name.startswith(pkg), (
                         f"{path.relative_to(ROOT)} imports {name}: use a relative import inside {top}/"
                     )
+
+
+# the folders as pyproject's package-dir installs them
+_PACKAGE_ROOTS = {"kvpush": "kvpush", "backends": "kvpush.backends", "platforms": "kvpush.platforms"}
+
+
+def _tree_modules() -> dict[str, Path]:
+    """Every module of the installed tree by its installed name (backends/x.py is kvpush.backends.x)."""
+    out: dict[str, Path] = {}
+    for folder, package in _PACKAGE_ROOTS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """module -> the modules of the tree it imports (anywhere in its body: a cycle closed by a function-
+    level import is still a cycle for a reader). An import of `a.b.c` names the nearest module of the tree
+    (`a.b.c`, else `a.b`); `from pkg import x` names `pkg.x` when that is a module, else `pkg`."""
+    modules = _tree_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        targets: set[str] = set()
+        for mod in _imports(path, package):
+            while mod and mod not in modules:
+                mod = mod.rpartition(".")[0]
+            if mod and mod != name:
+                targets.add(mod)
+        graph[name] = targets
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_relative_function_level_imports_across_the_package_dir_mapping():
+    graph = _import_graph()
+    assert "kvpush.protocol.layout" in graph["kvpush.backends.base"]
+    assert "kvpush.endpoint" in graph["kvpush.platforms.vllm.prefill_worker"]
+
+
+def test_there_is_no_import_circle_anywhere_in_the_tree():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)

@@ -1,9 +1,10 @@
 """KVPushConnector: the class vLLM loads (`kv_connector_module_path: "kvpush.platforms.vllm"`).
 
 A facade only: it reads vLLM's config once into ConnectorSettings and delegates each call by role:
-  * scheduler side (both roles): scheduler.SchedulerSide
+  * scheduler side: prefill_scheduler.PrefillScheduler (kv_producer) or
+    decode_scheduler.DecodeScheduler (kv_consumer), on what scheduler.py gives both
   * worker side: prefill_worker.PrefillWorker (kv_producer) or decode_worker.DecodeWorker (kv_consumer)
-The flow of one request is described in scheduler.py and the two worker modules.
+The flow of one request is described in the two scheduler and the two worker modules.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpush.errors import ConfigError
+from kvpush.errors import ConfigError, LocalProtocolError
 
+from .decode_scheduler import DecodeScheduler
 from .decode_worker import DecodeWorker
 from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
+from .prefill_scheduler import PrefillScheduler, manager_block_ids
 from .prefill_worker import PrefillWorker
-from .scheduler import KVPushConnectorMetadata, SchedulerSide
+from .scheduler import KVPushConnectorMetadata
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -75,24 +78,33 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             super().__init__(vllm_config, role, kv_cache_config)
         self.settings = settings_from_vllm(vllm_config)
-        self._sched: SchedulerSide | None = None
+        self._sched: PrefillScheduler | DecodeScheduler | None = None
         self._worker: PrefillWorker | DecodeWorker | None = None
         self._legacy_failed: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.settings, lambda: self._kv_cache_manager)
+            if self.settings.is_producer:
+                # vLLM binds its KV cache manager after constructing the connector (>= 0.32; older: unset)
+                source = manager_block_ids(lambda: getattr(self, "_kv_cache_manager", None))
+                self._sched = PrefillScheduler(self.settings, source)
+            else:
+                self._sched = DecodeScheduler(self.settings)
         elif self.settings.is_producer:
             self._worker = PrefillWorker(self.settings, vllm_config)
         else:
             self._worker = DecodeWorker(self.settings, vllm_config)
 
-    def _scheduler(self) -> SchedulerSide:
+    def _scheduler(self) -> PrefillScheduler | DecodeScheduler:
         if self._sched is None:
-            raise RuntimeError("KVPushConnector: a scheduler-side method was called on a worker connector")
+            raise LocalProtocolError(
+                "KVPushConnector: a scheduler-side method was called on a worker connector"
+            )
         return self._sched
 
     def _work(self) -> PrefillWorker | DecodeWorker:
         if self._worker is None:
-            raise RuntimeError("KVPushConnector: a worker-side method was called on the scheduler connector")
+            raise LocalProtocolError(
+                "KVPushConnector: a worker-side method was called on the scheduler connector"
+            )
         return self._worker
 
     # ---- scheduler side ----------------------------------------------------------------------

@@ -26,8 +26,9 @@ from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
 from .layout_probe import expand_blocks
+from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
-from .worker_common import WorkerBase, debug_checksums
+from .worker_common import WorkerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,7 +109,7 @@ class DecodeWorker(WorkerBase):
                 it.key,
                 expand_blocks(it.block_ids, self.cache.ratio),
                 it.num_tokens,
-                PrefillAddress(it.engine_id, it.host, it.port, it.tp_size, it.pp_size),
+                it.prefill,
             )
         self.instant_fail.extend(meta.fail_recv)
         for rid in meta.abort_recv:
@@ -119,7 +120,7 @@ class DecodeWorker(WorkerBase):
         for c in meta.cancel_recv:
             self.endpoint.cancel(
                 c.key,
-                PrefillAddress(c.engine_id, c.host, c.port, c.tp_size, c.pp_size),
+                c.prefill,
                 "request dropped on decode before its blocks were allocated",
             )
         if meta.expect or meta.abort_recv:

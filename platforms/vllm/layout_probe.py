@@ -371,33 +371,6 @@ def _check_stride_order(
         )
 
 
-def layout_from_kv_caches(
-    kv_caches: Mapping[str, Any],
-    *,
-    block_size: int,
-    total_kv_heads: int,
-    tp_rank: int,
-    tp_size: int,
-    model_tag: str,
-    split_content: bool = False,
-) -> tuple[KVLayout, int]:
-    """(layout, kernel blocks per vLLM block): the pre-declaration entry point, kept for the connector
-    until it passes a declaration to `probe_layout`. split_content selects `CPU_VIEW`; 5D tensors are
-    accepted only where exactly one reading fits the head count (the ambiguous case is refused)."""
-    first = next(iter(kv_caches.values()), None)
-    declared = CPU_VIEW if split_content else (RFC_VIEW if first is not None and first.dim() == 4 else None)
-    probed = probe_layout(
-        kv_caches,
-        block_size=block_size,
-        total_kv_heads=total_kv_heads,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        model_tag=model_tag,
-        declared=declared,
-    )
-    return probed.layout, probed.blocks_per_vllm_block
-
-
 def expand_blocks(block_ids: list[int] | tuple[int, ...], ratio: int) -> list[int]:
     """vLLM block ids -> kernel block ids when one vLLM block spans `ratio` kernel blocks."""
     if ratio == 1:

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import PrefillEndpoint, SendResult
 
 from .layout_probe import expand_blocks
+from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
-from .worker_common import WorkerBase, debug_checksums
+from .worker_common import WorkerBase
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvpush.backends.host import HostKVCache
@@ -45,7 +46,7 @@ def test_libfabric_unavailable_here_fails_with_a_clear_error():
 def test_setup_for_vllm_cpu_tensors_picks_host_memory_and_never_defaults():
     import torch
 
-    from kvpush.backends.base import setup_for_tensors
+    from kvpush.backends.select import setup_for_tensors
     from kvpush.errors import ConfigError
     from kvpush.platforms.vllm.layout_probe import CPU_VIEW, probe_layout
 
@@ -56,3 +57,30 @@ def test_setup_for_vllm_cpu_tensors_picks_host_memory_and_never_defaults():
     assert setup.cache.kv_written_barrier() is None and len(setup.cache.regions) == 2
     with pytest.raises(ConfigError, match="kv_buffer_device"):
         setup_for_tensors(probed.layout, caches, "cuda")
+
+
+def test_wrapped_host_memory_is_the_engines_own_bytes_and_refuses_to_be_one_buffer():
+    """`HostKVCache.wrap` describes memory it does not own: its views and copies reach the engine's
+    tensors (one region per layer here), and the one-buffer accessors refuse a cache of two regions."""
+    import torch
+
+    from kvpush.errors import LayoutError
+    from kvpush.platforms.vllm.layout_probe import CPU_VIEW, probe_layout
+
+    caches = {f"l{i}": torch.zeros(4, 2, 16, 64, dtype=torch.float16) for i in range(2)}
+    probed = probe_layout(caches, block_size=16, total_kv_heads=2, tp_rank=0, tp_size=1, declared=CPU_VIEW)
+    cache = HostKVCache.wrap(probed.layout, keepalive=list(caches.values()))
+    assert cache.nbytes == sum(t.numel() * t.element_size() for t in caches.values())
+    cache.block_view(1, 0, 3)[:] = 7
+    raw = caches["l1"].view(torch.uint8).numpy().reshape(-1)
+    plane = cache.layout.plane(1, 0)
+    start = plane.offset + 3 * cache.layout.block_stride
+    assert (raw[start : start + cache.layout.block_bytes] == 7).all()
+    assert int((raw != 0).sum()) == cache.layout.block_bytes  # nothing else was touched
+    out = np.empty(16, dtype=np.uint8)
+    cache.read_into(plane.region, start, out)
+    assert (out == 7).all()
+    with pytest.raises(LayoutError, match="2 regions"):
+        cache.to_host()
+    with pytest.raises(LayoutError, match="placed in memory"):
+        HostKVCache.wrap(LAYOUT)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from kvpush.backends.base import KVCache, block_runs, select_backend, whole_cache_to_host
+from kvpush.backends.base import KVCache, block_runs, whole_cache_to_host
 from kvpush.backends.host import HostKVCache
 from kvpush.backends.neuron import (
     NeuronKVCache,
@@ -20,6 +20,7 @@ from kvpush.backends.neuron import (
     apply_neuron_environment,
     check_neuron_prerequisites,
 )
+from kvpush.backends.select import select_backend
 from kvpush.backends.staging import HostStaging
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint

@@ -18,13 +18,14 @@ from kvpush.platforms.vllm.layout_probe import (
     CPU_VIEW,
     FLASH_ATTN_5D,
     NEURON_CUSTOM,
+    RFC_VIEW,
     CacheFeatures,
     KVCacheDeclaration,
     declaration_from_backend,
     features_from_vllm,
-    layout_from_kv_caches,
     probe_layout,
 )
+from kvpush.platforms.vllm.probe import declared_layout
 from kvpush.protocol.layout import KVLayout, LayoutError
 
 
@@ -126,8 +127,9 @@ def test_ambiguous_heads_equal_block_size_is_refused_without_a_declaration() -> 
     tensors = _neuron_caches(2, 8, 32, 32, 16)
     caches = {f"l{i}": NeuronStandInTensor(t) for i, t in enumerate(tensors)}
     kw: dict[str, Any] = dict(block_size=32, total_kv_heads=32, tp_rank=0, tp_size=1)
+    assert declared_layout("", None, caches["l0"]) is None  # the connector's path: no backend class
     with pytest.raises(LayoutError, match="reads as .* HND .* NHD"):
-        layout_from_kv_caches(caches, model_tag="", **kw)
+        probe_layout(caches, declared=None, **kw)
     with pytest.raises(LayoutError, match="declaration"):
         probe_layout(caches, **kw)
     hnd = probe_layout(caches, declared=NEURON_CUSTOM, **kw).layout
@@ -138,13 +140,15 @@ def test_ambiguous_heads_equal_block_size_is_refused_without_a_declaration() -> 
     _check_addresses(nhd, tensors, lambda kv, b, n, h: (kv, b, n, h))
 
 
-def test_legacy_entry_point_reads_vllm_neuron_where_one_reading_fits() -> None:
+def test_5d_without_a_declaration_reads_vllm_neuron_where_one_reading_fits() -> None:
     """The issue's stand-in: shape (2,64,2,32,128), TP 8 of 16 KV heads; it used to raise "32 heads per rank"."""
     tensors = _neuron_caches(2, 64, 2, 32, 128)
     caches = {f"l{i}": NeuronStandInTensor(t) for i, t in enumerate(tensors)}
-    lay, ratio = layout_from_kv_caches(
-        caches, block_size=32, total_kv_heads=16, tp_rank=0, tp_size=8, model_tag="m"
+    declared = declared_layout("", None, caches["l0"])  # the connector's path: no backend class
+    probed = probe_layout(
+        caches, block_size=32, total_kv_heads=16, tp_rank=0, tp_size=8, model_tag="m", declared=declared
     )
+    lay, ratio = probed.layout, probed.blocks_per_vllm_block
     assert lay.token_order == "HND" and ratio == 1 and lay.model_tag == "m"
     _check_addresses(lay, tensors, lambda kv, b, n, h: (kv, b, h, n))
 
@@ -196,9 +200,10 @@ def test_rfc_view_4d_reads_the_order_from_strides(physical: str) -> None:
         t = torch.zeros(blocks, heads, tokens, content, dtype=torch.float16)
     else:
         t = torch.zeros(blocks, tokens, heads, content, dtype=torch.float16).permute(0, 2, 1, 3)
-    lay, ratio = layout_from_kv_caches(
-        {"l0": t}, block_size=16, total_kv_heads=4, tp_rank=1, tp_size=2, model_tag=""
-    )
+    declared = declared_layout("", None, t)  # the connector's path: a 4D tensor is the RFC view
+    assert declared == RFC_VIEW
+    probed = probe_layout({"l0": t}, block_size=16, total_kv_heads=4, tp_rank=1, tp_size=2, declared=declared)
+    lay, ratio = probed.layout, probed.blocks_per_vllm_block
     assert lay.token_order == ("HND" if physical == "LBHNC" else "NHD") and lay.kv_per_layer == 1
     assert lay.head_dim == content and ratio == 1
     _check_addresses(lay, [t], lambda kv, b, n, h: (b, h, n))

@@ -5,12 +5,24 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from typing import Any, Protocol
 
 from kvpush.apps.soak.common import FAULT_KINDS, MARK
 
-if TYPE_CHECKING:
-    from kvpush.apps.soak.driver import Soak
+
+class SoakRun(Protocol):
+    """What the report reads of a finished run (the driver's Soak; a Protocol, so report.py does not
+    import the driver that imports it)."""
+
+    book: Any
+    kids: Any
+    args: argparse.Namespace
+    faults: Counter[str]
+    attacks: Counter[str]
+    hello_answers: int
+    check: str
+
 
 FAIL_ON = (
     "leaked_blocks_prefill",
@@ -49,7 +61,7 @@ def reason_kind(reason: str) -> str:
 
 
 def build_report(
-    soak: Soak, elapsed: float, p_reply: tuple[Any, ...], d_reply: tuple[Any, ...]
+    soak: SoakRun, elapsed: float, p_reply: tuple[Any, ...], d_reply: tuple[Any, ...]
 ) -> dict[str, Any]:
     """The run's figures; p_reply and d_reply are the engines' ("stats", counters, pending) answers."""
     book, kids, args = soak.book, soak.kids, soak.args

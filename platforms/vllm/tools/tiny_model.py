@@ -43,11 +43,6 @@ class TinyModelSpec:
             f"-{self.dtype}-v{self.vocab_size}-s{self.seed}"
         )
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        size = {"float32": 4, "bfloat16": 2, "float16": 2}[self.dtype]
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * size
-
 
 # Named variants: "fast" for correctness tests, "realistic" (32 KiB/token, like Qwen3-32B per TP8 rank).
 VARIANTS: dict[str, TinyModelSpec] = {

@@ -1,0 +1,176 @@
+"""The prefill engine's scheduler side (kv_producer).
+
+* update_state_after_alloc: a `do_remote_decode` request claims its transfer key (or is refused).
+* build_connector_meta: a request whose prompt completes in this step is listed in this step's metadata;
+  the worker hands it to the push thread in wait_for_save(), right after the forward pass that wrote the
+  last KV, not one engine step later.
+* request_finished: delay freeing; the worker reports finished_sending once the WRITE completed (or
+  failed, or was aborted).
+
+The prompt's block ids come from a `BlockIdSource`: vLLM >= 0.32 binds its KV cache manager to the
+connector (`manager_block_ids`); an engine without that hook needs another source, passed in the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpush.errors import ConfigError
+from kvpush.protocol.layout import blocks_for
+
+from .params import ConnectorSettings, KVTransferParams, transfer_key
+from .scheduler import KVPushConnectorMetadata, SchedulerBase, SendItem
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpush.vllm")
+
+# request id -> its blocks in the first KV-cache group, as vLLM holds them when its prompt completes
+BlockIdSource = Callable[[str], Sequence[int]]
+
+
+def manager_block_ids(manager: Callable[[], Any]) -> BlockIdSource:
+    """Block ids from the KV cache manager vLLM >= 0.32 binds to the connector (`bind_kv_cache_manager`);
+    `manager` returns it, or None while (or where) it is not bound."""
+
+    def block_ids(request_id: str) -> Sequence[int]:
+        mgr = manager()
+        if mgr is None:
+            raise ConfigError(
+                "KVPushConnector needs vLLM's bind_kv_cache_manager (vLLM >= 0.32) to read a prompt's blocks"
+            )
+        ids: Sequence[int] = mgr.get_block_ids(request_id)[0]
+        return ids
+
+    return block_ids
+
+
+class SendState(enum.Enum):
+    COMPUTING = "computing"  # the prompt is being computed
+    HANDED = "handed"  # in this or an earlier step's metadata: the push thread owns the blocks
+    SENDING = "sending"  # finished in vLLM; blocks held until the worker reports finished_sending
+    REFUSED = "refused"  # its transfer key is taken by a live request: never handed, freed at once
+
+
+@dataclass
+class _PrefillRequest:
+    request: Request
+    key: str
+    state: SendState
+    reason: str = ""
+
+
+class PrefillScheduler(SchedulerBase):
+    """Which prompts to push in which step, and how long vLLM keeps their blocks."""
+
+    def __init__(self, settings: ConnectorSettings, block_ids: BlockIdSource) -> None:
+        super().__init__(settings)
+        self.block_ids = block_ids
+        self.prefills: dict[str, _PrefillRequest] = {}  # by vLLM request id
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return 0, False  # a prefill computes its prompts itself
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = self._params(request)
+        rid = request.request_id
+        if params is None or not params.do_remote_decode or rid in self.prefills:
+            return
+        key = transfer_key(rid, params)
+        reason = self._claim(key, rid)
+        if reason:
+            log.warning("kvpush: prefill request %s will not push its KV: %s", rid, reason)
+        self.prefills[rid] = _PrefillRequest(
+            request, key, SendState.REFUSED if reason else SendState.COMPUTING, reason
+        )
+
+    def _add_to_step(self, scheduler_output: SchedulerOutput, meta: KVPushConnectorMetadata) -> None:
+        """Hand over every prompt whose last tokens this step computes."""
+        if not self.prefills:
+            return
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            rec = self.prefills.get(rid)
+            if rec is None or rec.state is not SendState.COMPUTING:
+                continue
+            req = rec.request
+            if req.num_computed_tokens + n < req.num_prompt_tokens:
+                continue  # a chunk; the prompt completes in a later step
+            num_tokens = int(req.num_prompt_tokens)
+            blocks = self.block_ids(rid)[: blocks_for(num_tokens, self.settings.block_size)]
+            meta.send.append(SendItem(rid, rec.key, tuple(blocks), num_tokens))
+            rec.state = SendState.HANDED
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(hold the blocks?, kv_transfer_params for the decode): held only while a push may read them."""
+        rid = request.request_id
+        rec = self.prefills.get(rid)
+        if rec is None:
+            self._abort_unallocated(request)
+            return False, None
+        if rec.state is SendState.REFUSED:
+            del self.prefills[rid]  # its key belongs to another live request: nothing of ours to abort
+            return False, None
+        if rec.state is SendState.COMPUTING:
+            self._abort_before_hand_over(rid, rec)
+            return False, None
+        return True, self._hold_while_sending(request, rec)
+
+    def _abort_unallocated(self, request: Request) -> None:
+        """Dropped before its blocks were allocated: a decode that registered already is told now."""
+        params = self._params(request)
+        if params is not None and params.do_remote_decode:
+            key = transfer_key(request.request_id, params)
+            if self._key_is_free(key):
+                self.meta.abort_send.append((request.request_id, key))
+
+    def _abort_before_hand_over(self, rid: str, rec: _PrefillRequest) -> None:
+        """Aborted before its prompt completed: a decode that registered already is told at once instead
+        of waiting for the lease to run out."""
+        del self.prefills[rid]
+        self._release(rec.key, rid)
+        self.meta.abort_send.append((rid, rec.key))
+
+    def _hold_while_sending(self, request: Request, rec: _PrefillRequest) -> dict[str, Any]:
+        """Handed over: its blocks stay until the worker reports finished_sending. A request that did not
+        finish normally (aborted) aborts its push. Returns what the router passes to the decode."""
+        from vllm.v1.request import RequestStatus
+
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self.meta.abort_send.append((request.request_id, rec.key))
+        rec.state = SendState.SENDING
+        cfg = self.settings.config
+        return KVTransferParams(
+            do_remote_prefill=True,
+            transfer_mode="push",
+            remote_engine_id=cfg.engine_id,
+            remote_request_id=rec.key,
+            remote_host=cfg.side_channel.host,
+            remote_port=cfg.side_channel.port,
+            tp_size=self.settings.tp_size,
+            pp_size=self.settings.pp_size,
+        ).to_dict()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        for rid in connector_output.finished_sending or ():
+            rec = self.prefills.pop(rid, None)
+            if rec is not None:
+                self._release(rec.key, rid)
+
+    def _holding_blocks(self) -> bool:
+        return any(r.state in (SendState.HANDED, SendState.SENDING) for r in self.prefills.values())
+
+    def _awaiting_transfers(self) -> bool:
+        return self._holding_blocks()

@@ -1,0 +1,156 @@
+"""Probing an engine's KV caches into a kvpush layout: the attention backend's declaration, the model tag
+both engines must agree on, and the memory backend the tensors need (kvpush.backends.select).
+
+Also the DEBUG checksums of a request's KV, which read the same tensors by the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvpush.backends.select import CacheSetup, setup_for_tensors
+from kvpush.protocol.layout import KVLayout
+
+from .layout_probe import (
+    CPU_VIEW,
+    RFC_VIEW,
+    KVCacheDeclaration,
+    declaration_from_backend,
+    features_from_vllm,
+    probe_layout,
+)
+from .params import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvpush.vllm")
+
+CPU_BACKEND = "CPU_ATTN"
+
+
+def tensor_parallel_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, RuntimeError):
+        return 0
+
+
+def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> tuple[str, Any]:
+    """(name, class) of the attention backend: it decides how a block's bytes are read; ask the first
+    layer. The class is None when the layer does not say (then the tensors' device decides the name)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    layer = ctx.get(next(iter(kv_caches)))
+    try:
+        cls = layer.get_attn_backend()  # type: ignore[union-attr]
+        return str(cls.get_name()), cls
+    except AttributeError:
+        return (CPU_BACKEND if next(iter(kv_caches.values())).device.type == "cpu" else ""), None
+
+
+def declared_layout(name: str, cls: Any, first_tensor: Any) -> KVCacheDeclaration | None:
+    """What the backend declares about its KV tensors: its own get_kv_cache_shape where it has one
+    (vllm-neuron, older vLLM), else vLLM >= 0.32's per-layer [B, H, N, C] view (the CPU backend reads a
+    head's block as [2N, C/2]); None leaves the probe to refuse anything ambiguous."""
+    declared = declaration_from_backend(cls) if cls is not None else None
+    if declared is not None:
+        return declared
+    if name == CPU_BACKEND:
+        return CPU_VIEW
+    return RFC_VIEW if first_tensor.dim() == 4 else None
+
+
+def model_tag(vllm_config: VllmConfig, user_tag: str) -> str:
+    """What must match between the two engines' models beyond the KV geometry."""
+    mc = vllm_config.model_config
+    hf = mc.hf_config
+    arch = ",".join(getattr(hf, "architectures", None) or [])
+    tag = (
+        f"{arch}|layers={getattr(hf, 'num_hidden_layers', '?')}|hidden={getattr(hf, 'hidden_size', '?')}"
+        f"|vocab={getattr(hf, 'vocab_size', '?')}|dtype={mc.dtype}"
+    )
+    return f"{tag}|{user_tag}" if user_tag else tag
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbedCache:
+    layout: KVLayout  # what the endpoint registers (the host bounce buffer when staged)
+    ratio: int  # kernel blocks per vLLM block
+    mem_type: str  # "DRAM" | "VRAM"
+    rank: int
+    setup: CacheSetup  # the backend: its KV-written barrier and, when staged, the staging hooks
+
+    def kv_written_barrier(self) -> Any:
+        """Called on the engine thread at hand-off; never waits (CUDA: records an event)."""
+        return self.setup.cache.kv_written_barrier()
+
+
+def probe_kv_caches(
+    settings: ConnectorSettings, vllm_config: VllmConfig, kv_caches: dict[str, Any]
+) -> ProbedCache:
+    rank = tensor_parallel_rank()
+    backend, backend_cls = attention_backend(vllm_config, kv_caches)
+    first = next(iter(kv_caches.values()))
+    probed = probe_layout(
+        kv_caches,
+        block_size=settings.block_size,
+        total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+        tp_rank=rank,
+        tp_size=settings.tp_size,
+        model_tag=model_tag(vllm_config, settings.model_tag),
+        declared=declared_layout(backend, backend_cls, first),
+        features=features_from_vllm(vllm_config),
+    )
+    layout, ratio = probed.layout, probed.blocks_per_vllm_block
+    if backend == CPU_BACKEND:
+        # vLLM's CPU kernels keep tokens inside a block in their own packed order: a partial block
+        # cannot be cut by token, so blocks move whole (the plan rounds; block sizes must match).
+        layout = dataclasses.replace(layout, atomic_blocks=True)
+    ktc = vllm_config.kv_transfer_config
+    kv_buffer_device = str(getattr(ktc, "kv_buffer_device", None) or "cpu")
+    setup = setup_for_tensors(layout, kv_caches, kv_buffer_device)
+    mem_type = setup.mem_type
+    log.warning(
+        "kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "
+        "%s, %d kernel blocks per vLLM block of %d%s)",
+        settings.role,
+        rank,
+        mem_type,
+        layout.compat_hash(),
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_dim,
+        layout.block_size,
+        layout.block_bytes,
+        layout.token_order,
+        ratio,
+        settings.block_size,
+        ", whole blocks" if layout.atomic_blocks else "",
+    )
+    if setup.hooks is not None:
+        log.warning("kvpush: KV staged through host memory (%s)", setup.choice.reason)
+    return ProbedCache(setup.layout, ratio, mem_type, rank, setup)
+
+
+def debug_checksums(
+    kv_caches: dict[str, Any], blocks: list[int], num_tokens: int, block_size: int
+) -> list[float]:
+    """Sums of the first and last layer's KV over a request's tokens: compare prefill's with decode's
+    in DEBUG logs when outputs differ. Costly; callers check log.isEnabledFor(DEBUG) first."""
+    out = []
+    names = list(kv_caches)
+    for name in names[:1] + names[-1:]:
+        t = kv_caches[name]
+        total = 0.0
+        for i, b in enumerate(blocks):
+            k = min(block_size, num_tokens - i * block_size)
+            if k <= 0:
+                break
+            part = t[b][:, :k] if t.dim() == 4 else t[:, b, :k]
+            total += float(part.double().sum())
+        out.append(round(total, 4))
+    return out

@@ -1,0 +1,191 @@
+"""The two scheduler sides driven as vLLM's scheduler drives them, without an engine: each exit of
+request_finished, the transfer-key claims, and what the step metadata carries to the workers."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+with warnings.catch_warnings():  # vLLM imports torch, whose deprecation warnings are not ours to fix
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.v1.request import RequestStatus
+
+    from kvpush.endpoint import PrefillAddress
+    from kvpush.errors import ConfigError
+    from kvpush.platforms.vllm.decode_scheduler import DecodeScheduler
+    from kvpush.platforms.vllm.params import ConnectorSettings
+    from kvpush.platforms.vllm.prefill_scheduler import PrefillScheduler, SendState, manager_block_ids
+
+BLOCK = 16
+EXTRA = {"host": "10.0.0.5", "port": 7100, "idle_wait_ms": 0}
+
+
+def settings(role: str) -> ConnectorSettings:
+    return ConnectorSettings.from_extra(role, f"{role}-0", EXTRA, block_size=BLOCK, tp_size=2, pp_size=1)
+
+
+def request(rid: str, params: dict[str, Any] | None, prompt: int = 40, computed: int = 0) -> Any:
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        num_prompt_tokens=prompt,
+        num_computed_tokens=computed,
+        status=RequestStatus.RUNNING,
+    )
+
+
+def blocks(*ids: int) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def step(scheduled: dict[str, int]) -> Any:
+    return SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+PREFILL_AT = {"remote_engine_id": "prefill-0", "remote_host": "10.0.0.9", "remote_port": 7000, "tp_size": 2}
+
+
+# ---- prefill ---------------------------------------------------------------------------------------
+def prefill(table: dict[str, list[int]]) -> PrefillScheduler:
+    return PrefillScheduler(settings("prefill"), lambda rid: table[rid])
+
+
+def test_prefill_hands_a_prompt_over_in_the_step_that_completes_it_and_holds_its_blocks():
+    sched = prefill({"a-12345678": [4, 5, 6, 7]})
+    req = request("a-12345678", {"do_remote_decode": True, "transfer_id": "t1"})
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6, 7), 0)
+    assert not sched.build_connector_meta(step({"a-12345678": 32})).send  # a chunk: 32 of 40 tokens
+    req.num_computed_tokens = 32
+    meta = sched.build_connector_meta(step({"a-12345678": 8}))
+    assert [(s.key, s.block_ids, s.num_tokens) for s in meta.send] == [("t1", (4, 5, 6), 40)]  # 3 blocks
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, answer = sched.request_finished(req, ([4, 5, 6, 7],))
+    assert hold and answer is not None
+    assert (answer["remote_engine_id"], answer["remote_host"], answer["remote_port"]) == (
+        "prefill-0",
+        "10.0.0.5",
+        7100,
+    )
+    assert answer["remote_request_id"] == "t1" and answer["tp_size"] == 2
+    assert sched.prefills["a-12345678"].state is SendState.SENDING and not sched.meta.abort_send
+    assert sched.has_pending_work()
+    sched.update_connector_output(SimpleNamespace(finished_sending={"a-12345678"}, finished_recving=None))
+    assert not sched.prefills and not sched.live_keys and not sched.has_pending_work()
+
+
+def test_prefill_request_aborted_after_hand_over_aborts_its_push_but_keeps_its_blocks():
+    sched = prefill({"a": [1, 2, 3]})
+    req = request("a", {"do_remote_decode": True}, computed=0)
+    sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    sched.build_connector_meta(step({"a": 40}))
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, ([1, 2, 3],))[0]
+    assert sched.meta.abort_send == [("a", "a")]
+
+
+def test_prefill_request_aborted_before_hand_over_frees_its_blocks_and_tells_the_decode():
+    sched = prefill({})
+    req = request("a", {"do_remote_decode": True})
+    sched.update_state_after_alloc(req, blocks(1), 0)
+    assert sched.request_finished(req, ([1],)) == (False, None)
+    assert sched.meta.abort_send == [("a", "a")] and not sched.prefills and not sched.live_keys
+
+
+def test_prefill_refuses_a_taken_transfer_key_and_never_aborts_the_live_owner():
+    sched = prefill({"first": [1, 2, 3]})
+    first = request("first", {"do_remote_decode": True, "transfer_id": "same"})
+    second = request("second", {"do_remote_decode": True, "transfer_id": "same"})
+    sched.update_state_after_alloc(first, blocks(1, 2, 3), 0)
+    sched.update_state_after_alloc(second, blocks(8, 9, 10), 0)
+    assert sched.prefills["second"].state is SendState.REFUSED
+    assert "already used by live request 'first'" in sched.prefills["second"].reason
+    assert [s.req_id for s in sched.build_connector_meta(step({"first": 40, "second": 40})).send] == ["first"]
+    assert sched.request_finished(second, ([8, 9, 10],)) == (False, None)
+    # dropped before allocation under the live key: no abort either
+    assert sched.request_finished(
+        request("third", {"do_remote_decode": True, "transfer_id": "same"}), ([],)
+    ) == (
+        False,
+        None,
+    )
+    assert not sched.meta.abort_send and sched.live_keys == {"same": "first"}
+
+
+def test_prefill_request_dropped_before_allocation_tells_the_decode():
+    sched = prefill({})
+    assert sched.request_finished(request("x-abcdefgh", {"do_remote_decode": True}), ([],)) == (False, None)
+    assert sched.meta.abort_send == [("x-abcdefgh", "x")]
+    assert sched.request_finished(request("y", None), ([],)) == (False, None)  # not a P/D request
+    assert len(sched.meta.abort_send) == 1
+
+
+def test_manager_block_ids_names_the_missing_vllm_hook():
+    assert list(manager_block_ids(lambda: SimpleNamespace(get_block_ids=lambda rid: ([3, 4],)))("r")) == [
+        3,
+        4,
+    ]
+    with pytest.raises(ConfigError, match="bind_kv_cache_manager"):
+        manager_block_ids(lambda: None)("r")
+
+
+# ---- decode ----------------------------------------------------------------------------------------
+def test_decode_registers_the_prompts_blocks_with_the_prefills_address():
+    sched = DecodeScheduler(settings("decode"))
+    req = request("d-12345678", {"do_remote_prefill": True, "transfer_id": "t9", **PREFILL_AT})
+    assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
+    assert sched.get_num_new_matched_tokens(req, 16) == (0, False)  # a local prefix hit
+    sched.update_state_after_alloc(req, blocks(9, 8, 7, 6), 40)
+    (item,) = sched.meta.expect
+    assert (item.req_id, item.key, item.block_ids, item.num_tokens) == ("d-12345678", "t9", (9, 8, 7), 40)
+    assert item.prefill == PrefillAddress("prefill-0", "10.0.0.9", 7000, 2, 1)
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # a re-entry computes locally
+    meta = sched.build_connector_meta(step({}))
+    assert meta.expect == [item] and not sched.meta.expect
+    sched.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving={"d-12345678"}))
+    assert not sched.recving and not sched.live_keys
+
+
+def test_decode_request_finished_while_waiting_for_its_kv_keeps_its_blocks():
+    sched = DecodeScheduler(settings("decode"))
+    req = request("d", {"do_remote_prefill": True, **PREFILL_AT})
+    sched.update_state_after_alloc(req, blocks(1, 2, 3), 40)
+    assert sched.request_finished(req, ([1, 2, 3],)) == (True, None)
+    assert sched.meta.abort_recv == ["d"] and sched.has_pending_work()
+
+
+def test_decode_fails_a_request_without_a_prefill_address_or_with_a_taken_key():
+    sched = DecodeScheduler(settings("decode"))
+    sched.update_state_after_alloc(
+        request("a", {"do_remote_prefill": True, "remote_port": 7000}), blocks(1), 40
+    )
+    first = request("b", {"do_remote_prefill": True, "transfer_id": "k", **PREFILL_AT})
+    second = request("c", {"do_remote_prefill": True, "transfer_id": "k", **PREFILL_AT})
+    sched.update_state_after_alloc(first, blocks(2, 3, 4), 40)
+    sched.update_state_after_alloc(second, blocks(5, 6, 7), 40)
+    (missing, taken) = sched.meta.fail_recv
+    assert missing == ("a", "kv_transfer_params lack remote_engine_id, remote_host")
+    assert taken[0] == "c" and "already used by live request 'b'" in taken[1]
+    assert [e.req_id for e in sched.meta.expect] == ["b"]
+
+
+def test_decode_request_dropped_before_allocation_cancels_the_prefills_hold_unless_the_key_is_live():
+    sched = DecodeScheduler(settings("decode"))
+    dropped = request("e-12345678", {"do_remote_prefill": True, **PREFILL_AT})
+    assert sched.request_finished(dropped, ([],)) == (False, None)
+    (cancel,) = sched.meta.cancel_recv
+    assert cancel.key == "e" and cancel.prefill == PrefillAddress("prefill-0", "10.0.0.9", 7000, 2, 1)
+    live = request("f", {"do_remote_prefill": True, "transfer_id": "k", **PREFILL_AT})
+    sched.update_state_after_alloc(live, blocks(1, 2, 3), 40)
+    twin = request("g", {"do_remote_prefill": True, "transfer_id": "k", **PREFILL_AT})
+    assert sched.request_finished(twin, ([],)) == (False, None)
+    incomplete = request("h", {"do_remote_prefill": True, "remote_engine_id": "prefill-0"})
+    assert sched.request_finished(incomplete, ([],)) == (False, None)
+    assert len(sched.meta.cancel_recv) == 1
