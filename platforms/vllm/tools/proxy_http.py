@@ -41,6 +41,7 @@ log = logging.getLogger("kvpush.proxy")
 
 TIMINGS_TOKEN_ENV = "KVPUSH_PROXY_TIMINGS_TOKEN"
 MIN_TOKEN_CHARS = 16
+LINGER_S = 2.0
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 
 
@@ -362,12 +363,16 @@ def guard_key() -> Any:
 def server_options(idle_timeout_s: float) -> dict[str, Any]:
     """aiohttp server options for a client-facing proxy. handler_cancellation: a client that goes away
     cancels dispatch, which cancels both backend requests; keepalive_timeout: idle connections, and
-    connections that never finish their headers, close after idle_timeout_s; no request decompression."""
+    connections that never finish their headers, close after idle_timeout_s; no request decompression;
+    the unread rest of a refused body is discarded for at most LINGER_S."""
     return {
         "handler_cancellation": True,
         "access_log": None,
         "keepalive_timeout": idle_timeout_s,
         "auto_decompress": False,
+        # after refusing a body part-read, drain the rest for at most this long so the client sees the
+        # answer (closing on unread bytes would reset it), then close
+        "lingering_time": LINGER_S,
         "shutdown_timeout": 5.0,
     }
 
