@@ -14,6 +14,7 @@ import copy
 import gzip
 import io
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,29 @@ def test_slow_body_gets_408_within_the_body_timeout_and_does_not_hold_up_others(
                 await conn.until_closed(LINGER_S + 3.0)
             dripping.cancel()
             assert len(decode.received) == 1
+            await still_serves(env)
+
+    run(body)
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_and_its_engine_requests_cancelled():
+    """A streamed answer the client does not take within write_timeout_s: the client is dropped and the
+    decode request cancelled, so a stalled reader cannot hold a decode request (and its KV blocks)."""
+
+    async def body():
+        prefill, decode = push_fakes()
+        decode.chunks = [b"data: " + b"x" * (256 << 10) + b"\n\n"] * 64  # 16 MiB: more than socket buffers
+        async with environment([prefill], [decode], write_timeout_s=0.5) as env:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            host, port = env.proxy.removeprefix("http://").split(":")
+            sock.connect((host, int(port)))
+            stalled = Raw(*await asyncio.open_connection(sock=sock))
+            env.stack.callback(stalled.close)
+            payload = json.dumps({**OK_BODY, "stream": True}).encode()
+            await stalled.send(post_head(len(payload)) + payload)  # and never read the answer
+            await asyncio.wait_for(decode.cancelled.wait(), 5.0)
+            assert len(decode.log) == 2  # started, then ended by the cancellation, not by finishing
             await still_serves(env)
 
     run(body)

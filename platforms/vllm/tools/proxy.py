@@ -212,6 +212,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=d.idle_timeout_s,
         help="seconds an idle connection (or one still sending headers) stays open (default: %(default)s)",
     )
+    limits.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout_s,
+        help="seconds a client may take to accept a chunk of a streamed answer before it is dropped and "
+        "its request cancelled (default: %(default)s)",
+    )
     timings = parser.add_argument_group("GET /kvpush/timings (off unless --timings)")
     timings.add_argument(
         "--timings",
@@ -258,6 +265,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_request_id_len=args.max_request_id_len,
         max_connections=args.max_connections,
         idle_timeout_s=args.idle_timeout,
+        write_timeout_s=args.write_timeout,
         timings_token=load_timings_token(args.timings_token_file) if args.timings else "",
         timings_max_records=args.timings_max_records,
     )

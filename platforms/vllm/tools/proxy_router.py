@@ -11,6 +11,7 @@ import logging
 import time
 import urllib.parse
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,8 @@ class ProxyConfig:
     max_request_id_len: int = 128
     max_connections: int = 1024
     idle_timeout_s: float = 30.0
+    # a streamed answer's write to the client must finish within this, or the client is dropped
+    write_timeout_s: float = 60.0
     # GET /kvpush/timings: off while empty; else served only with this bearer token, at most
     # timings_max_records records.
     timings_token: str = ""
@@ -95,6 +98,7 @@ _POSITIVE = (
     "max_request_id_len",
     "max_connections",
     "idle_timeout_s",
+    "write_timeout_s",
     "timings_max_records",
 )
 
@@ -385,20 +389,20 @@ class Router:
                         "X-Request-Id": headers["X-Request-Id"],
                     },
                 )
-                await out.prepare(client)
+                await self._to_client(out.prepare(client), client)
                 if first:
-                    await out.write(first)
+                    await self._to_client(out.write(first), client)
                 try:
                     async for chunk in it:
-                        await out.write(chunk)
+                        await self._to_client(out.write(chunk), client)
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     # The 200 and its headers are already out: say so in-band (an SSE error event, no
                     # [DONE]), end the stream and close the connection rather than start a second response.
                     log.warning("decode %s failed mid-stream: %r", url, exc)
                     err = error_body(f"decode {url} failed mid-stream: {exc!r}", 502)
-                    await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                    await self._to_client(out.write(f"data: {json.dumps(err)}\n\n".encode()), client)
                     out.force_close()
-                await out.write_eof()
+                await self._to_client(out.write_eof(), client)
                 return out
             finally:
                 await ctx.__aexit__(None, None, None)
@@ -406,6 +410,22 @@ class Router:
             raise BackendError(503, f"backend {url} is unreachable: {exc}", url) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise BackendError(502, f"backend {url} failed: {exc!r}", url) from exc
+
+    async def _to_client(self, write: Awaitable[Any], client: Any) -> None:
+        """A write to the client that must finish within write_timeout_s. A client that stops reading is
+        treated as gone: its connection is aborted and the request ends as on a disconnect (both engine
+        requests cancelled), so it cannot hold a decode request and its KV blocks."""
+        try:
+            await asyncio.wait_for(write, self.cfg.write_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning(
+                "a client took nothing for %gs (--write-timeout); dropping it", self.cfg.write_timeout_s
+            )
+            if client.transport is not None:
+                client.transport.abort()
+            raise asyncio.CancelledError("the client stopped reading") from None
+        except ConnectionError:  # the client went away mid-answer: the same as a disconnect
+            raise asyncio.CancelledError("the client went away") from None
 
     @staticmethod
     async def _race(task: asyncio.Future[Any], prefill_task: asyncio.Future[Any] | None) -> Any:
