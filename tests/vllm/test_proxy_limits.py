@@ -459,6 +459,21 @@ def test_timings_need_the_token(auth: str | None):
     run(body)
 
 
+def test_timings_refuse_a_token_that_is_not_utf8():
+    async def body():
+        prefill, decode = push_fakes()
+        async with environment([prefill], [decode]) as env:
+            conn = await Raw.open(env)
+            await conn.send(
+                b"GET /kvpush/timings HTTP/1.1\r\nHost: proxy\r\nAuthorization: Bearer \xff\xfe"
+                + TIMINGS_TOKEN.encode()
+                + b"\r\nConnection: close\r\n\r\n"
+            )
+            assert status_of(await conn.until_closed(3.0)) == 401
+
+    run(body)
+
+
 def test_timings_keep_a_bounded_number_of_records_with_bounded_ids():
     async def body():
         prefill, decode = push_fakes()

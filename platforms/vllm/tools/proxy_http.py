@@ -233,7 +233,8 @@ class TimingsLog:
         return (
             self.enabled
             and scheme.lower() == "bearer"
-            and hmac.compare_digest(given.strip().encode(), self.token.encode())
+            # surrogateescape: aiohttp keeps a header's undecodable bytes as surrogates
+            and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), self.token.encode())
         )
 
     async def handle(self, request: web.Request) -> web.Response:
