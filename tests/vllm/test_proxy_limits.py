@@ -587,3 +587,25 @@ def test_bodies_are_copied_shallowly_not_deeply(monkeypatch: pytest.MonkeyPatch)
                 await still_serves(env)
 
     run(body)
+
+
+def test_the_open_file_limit_is_raised_for_max_connections(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    import resource
+
+    from kvpush.platforms.vllm.tools.proxy_http import ensure_file_limit
+
+    limits = {"soft": 1024, "hard": 1_000_000}
+
+    def setrlimit(which: int, value: tuple[int, int]) -> None:
+        assert which == resource.RLIMIT_NOFILE and value[1] == limits["hard"]
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (limits["soft"], limits["hard"]))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    ensure_file_limit(1024)
+    assert limits["soft"] == 3 * 1024 + 256 and "open-file limit" not in caplog.text
+    limits.update(soft=1024, hard=2000)
+    ensure_file_limit(1024)
+    assert limits["soft"] == 2000 and "--max-connections 1024" in caplog.text

@@ -416,7 +416,28 @@ async def start_server(
     return RunningServer(f"http://{bound[0]}:{bound[1]}", guard, close)
 
 
+def ensure_file_limit(max_connections: int) -> None:
+    """Raise the soft open-file limit (within the hard one) so max_connections client connections, each
+    with up to two engine connections, cannot run the process out of descriptors; warn if it cannot."""
+    import resource
+
+    want = 3 * max_connections + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            log.warning(
+                "open-file limit %d is below the %d that --max-connections %d may need; lower it or raise "
+                "the limit (ulimit -n)",
+                new,
+                want,
+                max_connections,
+            )
+
+
 async def serve_until_signalled(app: web.Application, host: str, port: int, idle_timeout_s: float) -> None:
+    ensure_file_limit(app[guard_key()].limit)
     running = await start_server(app, host, port, idle_timeout_s=idle_timeout_s)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
