@@ -25,10 +25,12 @@ from aiohttp import web  # noqa: E402
 
 from kvpush.platforms.vllm.tools import proxy as proxy_mod  # noqa: E402
 from kvpush.platforms.vllm.tools.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
+from kvpush.platforms.vllm.tools.proxy_http import start_server  # noqa: E402
 
 CALL_TIMEOUT_S = 5.0  # one proxy call
 TEST_TIMEOUT_S = 20.0  # one whole test body
 SLOW_S = 10.0  # how long a "slow" fake takes: far above anything a passing test waits for
+TIMINGS_TOKEN = "test-timings-token-0123456789"  # the environment enables GET /kvpush/timings with it
 
 # What pull-mode prefills answer with (vLLM's NixlConnector shape).
 PULL_KV = {
@@ -251,12 +253,14 @@ class Env:
         session: aiohttp.ClientSession,
         prefill: list[PrefillBackend],
         app: web.Application,
+        server: Any = None,
     ):
         self.stack = stack
         self.proxy = proxy
         self.session = session
         self.prefill = prefill
         self.app = app
+        self.server = server  # proxy_http.RunningServer: its ConnectionGuard
 
     async def call(
         self,
@@ -279,11 +283,27 @@ class Env:
 
         return await asyncio.wait_for(go(), timeout)
 
+    async def timings(self, clear: bool = False) -> list[dict[str, Any]]:
+        """GET /kvpush/timings with the environment's token."""
+        status, _, raw, _ = await self.call(
+            "GET",
+            "/kvpush/timings" + ("?clear=1" if clear else ""),
+            headers={"Authorization": f"Bearer {TIMINGS_TOKEN}"},
+        )
+        assert status == 200, raw
+        return json.loads(raw)
+
 
 @contextlib.asynccontextmanager
 async def environment(
-    prefill: list[Fake | str], decode: list[Fake | str], mode: str = "push", pairing: list[Any] | None = None
+    prefill: list[Fake | str],
+    decode: list[Fake | str],
+    mode: str = "push",
+    pairing: list[Any] | None = None,
+    **limits: Any,
 ):
+    """Fakes and the proxy, served as `kvpush proxy` serves it (proxy_http.start_server). limits:
+    ProxyConfig fields (the timings endpoint is on, with TIMINGS_TOKEN, unless timings_token="")."""
     async with contextlib.AsyncExitStack() as stack:
         urls: list[list[str]] = [[], []]
         for out, backends in zip(urls, (prefill, decode), strict=True):
@@ -305,12 +325,14 @@ async def environment(
                 decode_pairing=pairing_urls,
                 connect_timeout_s=2.0,
                 request_timeout_s=30.0,
+                **{"timings_token": TIMINGS_TOKEN, **limits},
             )
         )
-        proxy = await serve(app, stack)
+        server = await start_server(app, "127.0.0.1", 0, idle_timeout_s=limits.get("idle_timeout_s", 30.0))
+        stack.push_async_callback(server.close)
         session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CALL_TIMEOUT_S * 2))
         stack.push_async_callback(session.close)
-        yield Env(stack, proxy, session, pbs, app)
+        yield Env(stack, server.url, session, pbs, app, server)
 
 
 def error_message(raw: bytes) -> str:
@@ -361,9 +383,7 @@ def test_push_streaming_completions():
             assert p["body"]["prompt"] == "hello world"
             assert {k: v for k, v in d["body"].items() if k != "kv_transfer_params"} == req
 
-            status, _, raw, _ = await env.call("GET", "/kvpush/timings")
-            assert status == 200
-            [rec] = [r for r in json.loads(raw) if r["id"] == "req-push-1"]
+            [rec] = [r for r in await env.timings() if r["id"] == "req-push-1"]
             assert rec["prefill_done"] >= 0
             assert rec["first_chunk"] >= 0
             # The decode streamed only after the prefill answered.
@@ -394,8 +414,7 @@ def test_push_nonstreaming_chat_completions():
             assert p["body"]["messages"] == req["messages"]
             assert d["body"]["max_completion_tokens"] == 20 and "max_tokens" not in d["body"]
 
-            status, _, raw, _ = await env.call("GET", "/kvpush/timings")
-            [rec] = [r for r in json.loads(raw) if r["id"] == rid]
+            [rec] = [r for r in await env.timings() if r["id"] == rid]
             assert rec["prefill_done"] >= 0
 
     run(body)
@@ -479,8 +498,7 @@ def test_pull_mode_prefill_first_then_forwards_kv_params(stream: bool):
             assert d["body"]["kv_transfer_params"] == PULL_KV
             assert {k: v for k, v in d["body"].items() if k != "kv_transfer_params"} == req
 
-            status, _, raw, _ = await env.call("GET", "/kvpush/timings")
-            [rec] = [r for r in json.loads(raw) if r["id"] == "req-pull"]
+            [rec] = [r for r in await env.timings() if r["id"] == "req-pull"]
             assert rec["prefill_done"] >= 0.1  # the prefill took 0.1 s
             if stream:
                 assert rec["first_chunk"] >= rec["prefill_done"]
@@ -636,13 +654,10 @@ def test_timings_clear():
                     headers={"X-Request-Id": f"t-{i}"},
                 )
                 assert status == 200
-            status, _, raw, _ = await env.call("GET", "/kvpush/timings?clear=1")
-            assert status == 200
-            recs = json.loads(raw)
+            recs = await env.timings(clear=True)
             assert [r["id"] for r in recs] == ["t-0", "t-1"]
             assert all("prefill_done" in r and "first_chunk" in r for r in recs)
-            status, _, raw, _ = await env.call("GET", "/kvpush/timings")
-            assert status == 200 and json.loads(raw) == []
+            assert await env.timings() == []
 
     run(body)
 
@@ -691,11 +706,11 @@ def test_client_disconnect_cancels_prefill_and_decode():
 
 
 def test_client_disconnect_cancels_backends_as_run_serves(monkeypatch: pytest.MonkeyPatch):
-    """The same, with the app and server options exactly as `kvpush proxy` (proxy.run) uses them."""
+    """The same, with the app and server exactly as `kvpush proxy` (proxy.run) builds and serves them."""
     captured: dict[str, Any] = {}
 
-    def fake_run_app(app: web.Application, **kwargs: Any) -> None:
-        captured["app"], captured["kwargs"] = app, kwargs
+    def fake_run_server(app: web.Application, host: str, port: int, idle_timeout_s: float) -> None:
+        captured.update(app=app, host=host, port=port, idle_timeout_s=idle_timeout_s)
 
     async def body():
         prefill, decode = Fake("prefill", delay=SLOW_S), Fake("decode", delay=SLOW_S)
@@ -715,13 +730,15 @@ def test_client_disconnect_cancels_backends_as_run_serves(monkeypatch: pytest.Mo
                     "5600",
                 ]
             )
-            monkeypatch.setattr(web, "run_app", fake_run_app)
+            monkeypatch.setattr(proxy_mod, "run_server", fake_run_server)
             assert proxy_mod.run(args) == 0
-            kwargs = captured["kwargs"]
-            proxy = await serve(
-                captured["app"], stack, handler_cancellation=kwargs.get("handler_cancellation", False)
+            assert (captured["host"], captured["port"]) == ("127.0.0.1", 8000)
+            # the same server run_server starts, on a free port instead of 8000
+            server = await start_server(
+                captured["app"], "127.0.0.1", 0, idle_timeout_s=captured["idle_timeout_s"]
             )
-            await post_then_disconnect(proxy, prefill, decode)
+            stack.push_async_callback(server.close)
+            await post_then_disconnect(server.url, prefill, decode)
             # With cancellation this takes milliseconds (see the test above); 1.5 s keeps the xfail cheap.
             await asyncio.wait_for(decode.cancelled.wait(), 1.5)
             await asyncio.wait_for(prefill.cancelled.wait(), 1.5)

@@ -93,12 +93,16 @@ def idle_cpu(
     return (_cpu_seconds(pids) - a) / wall, per_thread
 
 
-def proxy_timings(url: str, clear: bool = True) -> list[dict[str, Any]]:
-    """The proxy's per-request timestamps (see proxy.py); [] if the proxy has none."""
+def proxy_timings(url: str, token: str, clear: bool = True) -> list[dict[str, Any]]:
+    """The proxy's per-request timestamps (see proxy_http.TimingsLog; the proxy serves them only with
+    its token, Deployment.timings_token); [] if the proxy has none."""
     import urllib.request
 
+    req = urllib.request.Request(
+        f"{url}/kvpush/timings{'?clear=1' if clear else ''}", headers={"Authorization": f"Bearer {token}"}
+    )
     try:
-        with urllib.request.urlopen(f"{url}/kvpush/timings{'?clear=1' if clear else ''}", timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=10) as r:
             data = json.loads(r.read())
     except (OSError, ValueError):
         return []
@@ -126,10 +130,11 @@ def run_point(
     out_dir: Path,
     name: str,
     timeout_s: float = 600.0,
+    timings_token: str = "",
 ) -> dict[str, Any]:
     """One point driven by vLLM's own `vllm bench serve`; its result file plus our extras:
     prefill_to_first_token_s (the proxy's clock, same instrument for every connector)."""
-    proxy_timings(url)  # drop the warm-up's and earlier points' records
+    proxy_timings(url, timings_token)  # drop the warm-up's and earlier points' records
     result = out_dir / name
     argv = bench_serve_argv(
         url,
@@ -145,7 +150,7 @@ def run_point(
     )
     # the whole point may take num_prompts x the per-request timeout at worst; bound it anyway
     out = run_bench_serve(argv, result, max(600.0, timeout_s * 4), out_dir / "logs" / f"{name}.log")
-    out["prefill_to_first_token_s"] = prefill_to_first_token(proxy_timings(url))
+    out["prefill_to_first_token_s"] = prefill_to_first_token(proxy_timings(url, timings_token))
     out["load_generator"] = " ".join(argv[: argv.index("--backend")])
     return out
 
@@ -316,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
                         out_dir,
                         name,
                         args.request_timeout,
+                        dep.timings_token,
                     )
                     res["connector"] = conn
                     if n in calibration:

@@ -18,424 +18,44 @@ every /health, the proxy asks each decode whether it can receive KV from each pr
 handshakes with that prefill, checking the real layouts). A refused pairing makes /health 503 naming the
 mismatch, a request routed to it is answered with that reason, and a decode failure is re-checked so
 a pairing that broke between checks is named too, instead of the engine's bare "Internal server error".
+
+Facing clients (proxy_http.py, SECURITY.md "The proxy"): bodies, JSON nesting, request ids, connections
+and the timings endpoint are bounded by the limits in ProxyConfig; `GET /kvpush/timings` is served only
+when a token is configured (--timings, token from --timings-token-file or $KVPUSH_PROXY_TIMINGS_TOKEN).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
-import contextlib
-import copy
-import itertools
-import json
 import logging
 import time
-import urllib.parse
-import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..params import KVTransferParams
+from .proxy_http import (
+    TIMINGS_TOKEN_ENV,
+    ClientError,
+    ConnectionGuard,
+    error_body,
+    guard_key,
+    load_timings_token,
+    read_json_object,
+    request_id_for,
+    run_server,
+)
+from .proxy_router import BackendError, Pairing, PrefillBackend, ProxyConfig, Router
+
+__all__ = [
+    "BackendError",
+    "Pairing",
+    "PrefillBackend",
+    "ProxyConfig",
+    "Router",
+    "build_app",
+    "configure",
+    "run",
+]
 
 log = logging.getLogger("kvpush.proxy")
-
-
-@dataclass(frozen=True)
-class PrefillBackend:
-    url: str
-    engine_id: str = ""
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
-
-
-@dataclass
-class ProxyConfig:
-    prefill: list[PrefillBackend]
-    decode: list[str]
-    mode: str = "push"  # push | pull
-    # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
-    decode_pairing: list[str] = field(default_factory=list)
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
-    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
-
-
-class BackendError(Exception):
-    def __init__(self, status: int, message: str, backend: str):
-        super().__init__(message)
-        self.status = status
-        self.backend = backend
-
-
-def _error_body(message: str, status: int, kind: str = "BackendError") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": status}}
-
-
-@dataclass
-class Pairing:
-    """What a decode said about receiving KV from one prefill: ok None = not known yet."""
-
-    prefill: PrefillBackend
-    decode: str
-    pairing_url: str
-    ok: bool | None = None
-    error: str = ""
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "prefill": self.prefill.url,
-            "prefill_engine_id": self.prefill.engine_id,
-            "decode": self.decode,
-            "ok": self.ok,
-            "error": self.error,
-        }
-
-    def refusal(self) -> str:
-        return (
-            f"prefill {self.prefill.engine_id!r} ({self.prefill.url}) cannot push KV to decode {self.decode}: "
-            f"{self.error}"
-        )
-
-
-class Router:
-    """Round robin over prefill and decode backends, and the two dispatch modes."""
-
-    def __init__(self, cfg: ProxyConfig):
-        if not cfg.prefill or not cfg.decode:
-            raise ValueError("the proxy needs at least one prefill and one decode backend")
-        if cfg.mode not in ("push", "pull"):
-            raise ValueError(f"mode must be 'push' or 'pull', got {cfg.mode!r}")
-        if cfg.decode_pairing and len(cfg.decode_pairing) != len(cfg.decode):
-            raise ValueError(
-                f"decode_pairing has {len(cfg.decode_pairing)} entries for {len(cfg.decode)} decode backends"
-            )
-        self.cfg = cfg
-        self.pairings: dict[tuple[str, str], Pairing] = {
-            (p.url, d): Pairing(p, d, u.rstrip("/"))
-            for d, u in zip(cfg.decode, cfg.decode_pairing or [""] * len(cfg.decode), strict=True)
-            if u
-            for p in cfg.prefill
-        }
-        self._pairing_task: asyncio.Task[None] | None = None
-        self._prefill = itertools.cycle(cfg.prefill)
-        self._decode = itertools.cycle(cfg.decode)
-        self._session: Any = None
-        # Per-request timestamps (proxy clock): when the prefill answered and when decode's first chunk
-        # arrived. The same instrument for every connector: `kvpush bench-vllm` reads it from
-        # GET /kvpush/timings to report prefill-done -> first decode token.
-        self.timings: collections.deque[dict[str, Any]] = collections.deque(maxlen=100_000)
-
-    async def start(self) -> None:
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(
-            total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
-        )
-        self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
-        )
-        if self.pairings:
-            self._pairing_task = asyncio.ensure_future(self._keep_checking())
-
-    async def close(self) -> None:
-        if self._pairing_task is not None:
-            self._pairing_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pairing_task
-        if self._session is not None:
-            await self._session.close()
-
-    # ---- pairing checks ------------------------------------------------------------------------
-    async def check_pairing(self, pair: Pairing) -> Pairing:
-        """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
-        import aiohttp
-
-        query = urllib.parse.urlencode(
-            {
-                "engine_id": pair.prefill.engine_id,
-                "host": pair.prefill.kv_host,
-                "port": pair.prefill.kv_port,
-                "tp_size": pair.prefill.tp_size,
-                "pp_size": pair.prefill.pp_size,
-            }
-        )
-        try:
-            async with self._session.get(
-                f"{pair.pairing_url}/kvpush/pairing?{query}", timeout=aiohttp.ClientTimeout(total=15)
-            ) as r:
-                body = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            pair.ok, pair.error = None, f"pairing check at {pair.pairing_url} failed: {exc!r}"
-            return pair
-        if r.status == 200 and isinstance(body, dict) and body.get("ok"):
-            pair.ok, pair.error = True, ""
-        elif r.status == 409 and isinstance(body, dict):
-            pair.ok, pair.error = False, str(body.get("error") or body)
-        else:  # the prefill did not answer the handshake (504) or something else: not known yet
-            pair.ok, pair.error = None, f"pairing check answered {r.status}: {str(body)[:300]}"
-        if pair.ok is False:
-            log.error("pairing refused: %s", pair.refusal())
-        return pair
-
-    async def check_pairings(self) -> list[Pairing]:
-        return list(await asyncio.gather(*(self.check_pairing(p) for p in self.pairings.values())))
-
-    async def _keep_checking(self) -> None:
-        """From start (engines may still be loading) for the proxy's life: every 2 s while any pairing
-        is refused or unknown, every 10 s once all are fine (a restarted engine may break one)."""
-        while True:
-            pairs = await self.check_pairings()
-            await asyncio.sleep(10.0 if all(p.ok for p in pairs) else 2.0)
-
-    def _pick(self) -> tuple[PrefillBackend, str]:
-        """The next (prefill, decode) in round robin, skipping pairings known to be refused; if every
-        pairing is refused, a BackendError naming the mismatch."""
-        tries = len(self.cfg.prefill) * len(self.cfg.decode)
-        first: Pairing | None = None
-        for _ in range(tries):
-            prefill, decode = next(self._prefill), next(self._decode)
-            pair = self.pairings.get((prefill.url, decode))
-            if pair is None or pair.ok is not False:
-                return prefill, decode
-            first = first or pair
-        assert first is not None
-        raise BackendError(503, first.refusal(), first.decode)
-
-    # ---- backend calls -------------------------------------------------------------------------
-    async def _post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-        import aiohttp
-
-        try:
-            async with self._session.post(url, json=body, headers=headers) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise BackendError(
-                        502 if resp.status < 500 else resp.status,
-                        f"{url} answered {resp.status}: {text[:500]}",
-                        url,
-                    )
-                try:
-                    data = json.loads(text)
-                except ValueError as exc:
-                    raise BackendError(
-                        502, f"{url} answered 200 with a body that is not JSON: {text[:200]!r}", url
-                    ) from exc
-                if not isinstance(data, dict):
-                    raise BackendError(
-                        502, f"{url} answered 200 with JSON that is not an object: {text[:200]!r}", url
-                    )
-                return data
-        except aiohttp.ClientConnectorError as exc:
-            raise BackendError(503, f"backend {url} is unreachable: {exc}", url) from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise BackendError(502, f"backend {url} failed: {exc!r}", url) from exc
-
-    @staticmethod
-    def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-        out = copy.deepcopy(body)
-        out["max_tokens"] = 1
-        if "max_completion_tokens" in out:
-            out["max_completion_tokens"] = 1
-        out["stream"] = False
-        out.pop("stream_options", None)
-        out["kv_transfer_params"] = params
-        return out
-
-    @staticmethod
-    def _push_params(prefill: PrefillBackend, request_id: str, transfer_id: str) -> dict[str, Any]:
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=prefill.engine_id,
-            remote_host=prefill.kv_host,
-            remote_port=prefill.kv_port,
-            tp_size=prefill.tp_size,
-            pp_size=prefill.pp_size,
-            remote_request_id=request_id,
-            transfer_id=transfer_id,
-        ).to_dict()
-
-    async def dispatch(self, path: str, body: dict[str, Any], request_id: str, client: Any) -> Any:
-        """Run one request; returns an aiohttp response (streamed or JSON)."""
-        prefill, decode_url = self._pick()
-        try:
-            return await self._dispatch(prefill, decode_url, path, body, request_id, client)
-        except BackendError as exc:
-            pair = self.pairings.get((prefill.url, decode_url))
-            if pair is None or exc.backend != decode_url + path:
-                raise
-            # The decode failed: if the pairing broke since the last check, say that, not "error 500".
-            await self.check_pairing(pair)
-            if pair.ok is False:
-                raise BackendError(503, pair.refusal(), decode_url) from exc
-            raise
-
-    async def _dispatch(
-        self,
-        prefill: PrefillBackend,
-        decode_url: str,
-        path: str,
-        body: dict[str, Any],
-        request_id: str,
-        client: Any,
-    ) -> Any:
-        headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-        self.cfg.stats["requests"] += 1
-        rec: dict[str, Any] = {"id": request_id, "start": time.perf_counter()}
-        self.timings.append(rec)
-        if self.cfg.mode == "pull":
-            pull_params = KVTransferParams(do_remote_decode=True).to_dict()
-            resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
-            rec["prefill_done"] = time.perf_counter()
-            kv = resp.get("kv_transfer_params")
-            if not kv:
-                raise BackendError(
-                    502,
-                    f"prefill {prefill.url} returned no kv_transfer_params "
-                    "(is it started with a kv_producer connector?)",
-                    prefill.url,
-                )
-            decode_body = copy.deepcopy(body)
-            decode_body["kv_transfer_params"] = kv
-            return await self._relay(decode_url + path, decode_body, headers, client, None, rec)
-        # One transfer id per dispatch, to both engines: a client's X-Request-Id need not be unique.
-        transfer_id = f"kvp-{uuid.uuid4().hex}"
-        prefill_params = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_dict(sparse=True)
-        prefill_task = asyncio.ensure_future(
-            self._post_json(prefill.url + path, self._prefill_body(body, prefill_params), headers)
-        )
-        prefill_task.add_done_callback(lambda _f: rec.__setitem__("prefill_done", time.perf_counter()))
-        decode_body = copy.deepcopy(body)
-        decode_body["kv_transfer_params"] = self._push_params(prefill, request_id, transfer_id)
-        try:
-            return await self._relay(decode_url + path, decode_body, headers, client, prefill_task, rec)
-        except asyncio.CancelledError:
-            # The client went away: abort the prefill too (closing its connection makes vLLM abort it).
-            prefill_task.cancel()
-            raise
-        finally:
-            if not prefill_task.done():
-                # The client is answered; let the prefill finish in the background (its KV is pushed
-                # or its blocks are released by lease) but never leak an unobserved exception.
-                prefill_task.add_done_callback(_swallow)
-
-    async def _relay(
-        self,
-        url: str,
-        body: dict[str, Any],
-        headers: dict[str, str],
-        client: Any,
-        prefill_task: asyncio.Future[Any] | None,
-        rec: dict[str, Any] | None = None,
-    ) -> Any:
-        """Send to decode and relay its answer; fail fast when the prefill fails first."""
-        import aiohttp
-        from aiohttp import web
-
-        stream = bool(body.get("stream"))
-        try:
-            ctx = self._session.post(url, json=body, headers=headers)
-            resp_task = asyncio.ensure_future(ctx.__aenter__())
-            try:
-                resp = await self._race(resp_task, prefill_task)
-            except BaseException:
-                resp_task.cancel()
-                raise
-            try:
-                if resp.status != 200:
-                    text = await resp.text()
-                    raise BackendError(
-                        502 if resp.status < 500 else resp.status,
-                        f"decode {url} answered {resp.status}: {text[:500]}",
-                        url,
-                    )
-                if not stream:
-                    data_task = asyncio.ensure_future(resp.read())
-                    try:
-                        data = await self._race(data_task, prefill_task)
-                    except BaseException:
-                        data_task.cancel()
-                        raise
-                    return web.Response(body=data, status=200, content_type="application/json")
-                # Streaming: hold the client's headers until the first chunk (or a prefill failure).
-                it = resp.content.iter_any()
-                first_task = asyncio.ensure_future(it.__anext__())
-                try:
-                    first = await self._race(first_task, prefill_task)
-                    if rec is not None:
-                        rec["first_chunk"] = time.perf_counter()
-                except StopAsyncIteration:
-                    first = b""
-                except BaseException:
-                    first_task.cancel()
-                    raise
-                out = web.StreamResponse(
-                    status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
-                await out.prepare(client)
-                if first:
-                    await out.write(first)
-                try:
-                    async for chunk in it:
-                        await out.write(chunk)
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                    # The 200 and its headers are already out: say so in-band (an SSE error event, no
-                    # [DONE]), end the stream and close the connection rather than start a second response.
-                    log.warning("decode %s failed mid-stream: %r", url, exc)
-                    err = _error_body(f"decode {url} failed mid-stream: {exc!r}", 502)
-                    await out.write(f"data: {json.dumps(err)}\n\n".encode())
-                    out.force_close()
-                await out.write_eof()
-                return out
-            finally:
-                await ctx.__aexit__(None, None, None)
-        except aiohttp.ClientConnectorError as exc:
-            raise BackendError(503, f"backend {url} is unreachable: {exc}", url) from exc
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            raise BackendError(502, f"backend {url} failed: {exc!r}", url) from exc
-
-    @staticmethod
-    async def _race(task: asyncio.Future[Any], prefill_task: asyncio.Future[Any] | None) -> Any:
-        """Wait for task; if the prefill fails first, raise its error (the caller cancels task)."""
-        if prefill_task is None or (prefill_task.done() and prefill_task.exception() is None):
-            return await task
-        done, _ = await asyncio.wait({task, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-        if prefill_task in done and prefill_task.exception() is not None:
-            raise prefill_task.exception()  # type: ignore[misc]
-        return await task
-
-    async def health(self) -> tuple[int, dict[str, Any]]:
-        import aiohttp
-
-        urls = [p.url for p in self.cfg.prefill] + list(self.cfg.decode)
-
-        async def probe(u: str) -> tuple[str, bool]:
-            try:
-                async with self._session.get(u + "/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
-                    return u, r.status == 200
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                return u, False
-
-        results = dict(await asyncio.gather(*(probe(u) for u in urls)))
-        down = [u for u, ok in results.items() if not ok]
-        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode}
-        if self.pairings:
-            pairs = await self.check_pairings()
-            out["pairings"] = [p.describe() for p in pairs]
-            refused = [p.refusal() for p in pairs if p.ok is False]
-            if refused:
-                out["status"] = "misconfigured"
-                out["refused"] = refused
-            elif not down and any(p.ok is None for p in pairs):
-                out["status"] = "down"
-        return (200 if out["status"] == "ok" else 503), out
-
-
-def _swallow(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("prefill finished after the client was answered: %s", fut.exception())
 
 
 def build_app(cfg: ProxyConfig) -> Any:
@@ -450,52 +70,46 @@ def build_app(cfg: ProxyConfig) -> Any:
         await router.close()
 
     async def handle(request: web.Request) -> web.StreamResponse:
+        request_id = request_id_for(request.headers.get("X-Request-Id"), cfg.max_request_id_len)
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return web.json_response(_error_body("request body is not JSON", 400, "BadRequest"), status=400)
-        if not isinstance(body, dict):
-            return web.json_response(
-                _error_body("request body must be a JSON object", 400, "BadRequest"), status=400
+            body = await read_json_object(
+                request,
+                max_bytes=cfg.max_body_bytes,
+                timeout_s=cfg.body_timeout_s,
+                max_depth=cfg.max_json_depth,
             )
-        request_id = request.headers.get("X-Request-Id") or f"kvp-{uuid.uuid4().hex}"
+        except ClientError as exc:
+            return exc.response(request_id)
         t0 = time.perf_counter()
         try:
             return await router.dispatch(request.path, body, request_id, request)
         except BackendError as exc:
             cfg.stats["errors"] += 1
             log.warning("request %s failed after %.3fs: %s", request_id, time.perf_counter() - t0, exc)
-            return web.json_response(_error_body(str(exc), exc.status), status=exc.status)
+            return web.json_response(
+                error_body(str(exc), exc.status), status=exc.status, headers={"X-Request-Id": request_id}
+            )
 
     async def health(request: web.Request) -> web.Response:
         status, body = await router.health()
         return web.json_response(body, status=status)
-
-    async def timings(request: web.Request) -> web.Response:
-        """Per-request proxy timestamps in seconds since the request arrived; ?clear=1 empties the log."""
-        out = []
-        for rec in list(router.timings):
-            t0 = rec["start"]
-            out.append(
-                {"id": rec["id"], **{k: round(v - t0, 6) for k, v in rec.items() if k not in ("id", "start")}}
-            )
-        if request.query.get("clear") == "1":
-            router.timings.clear()
-        return web.json_response(out)
 
     async def models(request: web.Request) -> web.StreamResponse:
         try:
             async with router._session.get(cfg.decode[0] + "/v1/models") as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except Exception as exc:  # noqa: BLE001 - any failure is a 503 for this informational route
-            return web.json_response(_error_body(f"decode backend unreachable: {exc}", 503), status=503)
+            return web.json_response(error_body(f"decode backend unreachable: {exc}", 503), status=503)
 
-    app = web.Application(client_max_size=64 << 20)
+    guard = ConnectionGuard(cfg.max_connections)
+    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[guard.middleware()])
+    app[guard_key()] = guard
     app.router.add_post("/v1/completions", handle)
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/kvpush/timings", timings)
+    if router.timings.enabled:  # off by default: no route at all
+        app.router.add_get("/kvpush/timings", router.timings.handle)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
@@ -551,6 +165,66 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connect-timeout", type=float, default=5.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--log-level", default="WARNING")
+    d = ProxyConfig(prefill=[], decode=[])
+    limits = parser.add_argument_group("client-facing limits (SECURITY.md, 'The proxy')")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help="largest request body; larger ones get 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a client has to send its whole body; then 408 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=d.max_json_depth,
+        help="deepest object/array nesting in a body; deeper gets 400 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-request-id-len",
+        type=int,
+        default=d.max_request_id_len,
+        help="longest X-Request-Id kept (characters A-Z a-z 0-9 . _ : -); any other id is replaced by "
+        "a fresh one, named in the response's X-Request-Id (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open client connections; beyond it the longest-idle one is closed (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        help="seconds an idle connection (or one still sending headers) stays open (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--write-timeout",
+        type=float,
+        default=d.write_timeout_s,
+        help="seconds a client may take to accept a chunk of a streamed answer before it is dropped and "
+        "its request cancelled (default: %(default)s)",
+    )
+    timings = parser.add_argument_group("GET /kvpush/timings (off unless --timings)")
+    timings.add_argument(
+        "--timings",
+        action="store_true",
+        help="serve per-request timestamps to 'Authorization: Bearer <token>'; the token comes from "
+        f"--timings-token-file or ${TIMINGS_TOKEN_ENV} (at least 16 characters), never the command line",
+    )
+    timings.add_argument("--timings-token-file", metavar="PATH", help="file holding the timings token")
+    timings.add_argument(
+        "--timings-max-records",
+        type=int,
+        default=d.timings_max_records,
+        help="records kept, the oldest dropped first (default: %(default)s)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -577,16 +251,30 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_pairing=pairing,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+        max_json_depth=args.max_json_depth,
+        max_request_id_len=args.max_request_id_len,
+        max_connections=args.max_connections,
+        idle_timeout_s=args.idle_timeout,
+        write_timeout_s=args.write_timeout,
+        timings_token=load_timings_token(args.timings_token_file) if args.timings else "",
+        timings_max_records=args.timings_max_records,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    app = build_app(config_from_args(args))
-    # handler_cancellation: a client that goes away cancels dispatch, which cancels both backend requests
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None, handler_cancellation=True)
+    if args.timings_token_file and not args.timings:
+        raise SystemExit("--timings-token-file is given but --timings is not")
+    cfg = config_from_args(args)
+    try:
+        app = build_app(cfg)
+    except ValueError as exc:
+        raise SystemExit(f"kvpush proxy: {exc}") from None
+    # proxy_http.server_options: handler cancellation (a client that goes away cancels dispatch, which
+    # cancels both backend requests), idle timeout, and the connection guard
+    run_server(app, args.host, args.port, cfg.idle_timeout_s)
     return 0
 
 

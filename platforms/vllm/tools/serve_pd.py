@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -227,6 +228,9 @@ class Deployment:
     url: str
     procs: list[Started]
     engines: list[EngineSpec]
+    # the bearer token of the proxy's GET /kvpush/timings ("" = no proxy); given to the proxy through
+    # its environment, never its command line
+    timings_token: str = ""
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -306,6 +310,7 @@ def start_pd(
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
+    timings_token = secrets.token_urlsafe(24) if start_proxy else ""
     try:
         url = ""
         if start_proxy:
@@ -329,12 +334,12 @@ def start_pd(
                 "127.0.0.1",
                 "--prefill-kv-port",
                 str(p_kv),
+                "--timings",
             ]
             if pairing_port:
                 argv += ["--decode-pairing", f"http://127.0.0.1:{pairing_port}"]
-            procs.append(
-                Started(f"{connector}-proxy", argv, dict(os.environ), log_dir / f"{connector}-proxy.log")
-            )
+            proxy_env = {**os.environ, "KVPUSH_PROXY_TIMINGS_TOKEN": timings_token}
+            procs.append(Started(f"{connector}-proxy", argv, proxy_env, log_dir / f"{connector}-proxy.log"))
             url = f"http://127.0.0.1:{x_port}"
         for spec in (prefill, decode):
             argv, env = spec.command()
@@ -346,7 +351,7 @@ def start_pd(
             wait_healthy(spec.url, procs, health_timeout_s)
         if url:
             wait_healthy(url, procs, 60, any_answer=not proxy_must_be_healthy)
-        return Deployment(connector, url, procs, [prefill, decode])
+        return Deployment(connector, url, procs, [prefill, decode], timings_token)
     except BaseException:
         for p in reversed(procs):
             p.stop()
