@@ -222,7 +222,11 @@ class Limits(_Group, frozen=True):
 
     max_message_bytes: Annotated[int, Meta(description="Largest side-channel message accepted.")] = 1 << 20
     max_pending_per_peer: Annotated[
-        int, Meta(description="Prefill: pending registrations per decode rank, at most.")
+        int,
+        Meta(
+            description="Prefill: pending registrations per decode rank, at most; also the most "
+            "tombstones one decode engine's aborts of ids the prefill has not seen may leave."
+        ),
     ] = 4096
     max_pending_bytes_per_peer: Annotated[
         int, Meta(description="Prefill: bytes of pending block tables per decode rank, at most.")

@@ -17,7 +17,7 @@ from ..errors import LayoutError, RequestError, WireError
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout, check_block_table
 from ..protocol.reasons import Failure
-from ..protocol.wire import Codec, Hello, Message
+from ..protocol.wire import Codec, Hello, Message, request_problem
 from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, prepare_environment
 from .control import ControlPlane, ZmqControl
@@ -249,15 +249,24 @@ class Endpoint(Generic[R]):
 
 
 def checked_blocks(
-    layout: KVLayout, request_id: str, block_ids: Sequence[int], num_tokens: int
+    layout: KVLayout,
+    request_id: str,
+    block_ids: Sequence[int],
+    num_tokens: int,
+    max_message_bytes: int | None = None,
 ) -> tuple[int, ...]:
-    """The caller's block table, or an error naming what is wrong (caught here, not on the wire)."""
+    """The caller's block table, or an error naming what is wrong (caught here, not on the wire, where it
+    would surface only as a timeout). max_message_bytes: also bound the registration this table makes."""
     if not request_id:
         raise RequestError("request_id must be a non-empty string")
     if num_tokens <= 0:
         raise RequestError(f"{request_id}: num_tokens must be > 0, got {num_tokens}")
     check_block_table(layout, block_ids, num_tokens, request_id)
-    return tuple(int(b) for b in block_ids)
+    blocks = tuple(int(b) for b in block_ids)
+    problem = request_problem(request_id, blocks, num_tokens, max_message_bytes)
+    if problem:
+        raise RequestError(f"{request_id[:64]!r}: {problem}")
+    return blocks
 
 
 def _drain(q: queue.SimpleQueue[R]) -> list[R]:

@@ -409,7 +409,8 @@ class DecodeEndpoint(Endpoint[RecvResult]):
     def expect(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, prefill: PrefillAddress
     ) -> None:
-        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        limit = self.config.limits.max_message_bytes
+        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens, limit)
         self._recv.submit(lambda: self._recv.cmd_expect(request_id, blocks, num_tokens, prefill))
 
     def abort(self, request_id: str, reason: str = "aborted by decode engine") -> None:

@@ -68,6 +68,7 @@ class PushThread(EndpointThread[SendResult]):
             layout.total_kv_heads,
             config.leases.lease_s,
             config.leases.tombstone_s,
+            config.limits.max_pending_per_peer,  # also caps the tombstones one engine's aborts leave
         )
         self.prefill_done_at: dict[str, float] = {}
         self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
@@ -334,11 +335,13 @@ class PushThread(EndpointThread[SendResult]):
         num_tokens: int,
         at: float,
         kv_written: Callable[[], None] | None,
+        decode_engine_id: str = "",
     ) -> None:
         self.prefill_done_at[request_id] = at
         if kv_written is not None:
             self.kv_written[request_id] = kv_written
-        self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, time.monotonic()))
+        now = time.monotonic()
+        self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, now, decode_engine_id))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
@@ -378,15 +381,22 @@ class PrefillEndpoint(Endpoint[SendResult]):
         block_ids: Sequence[int],
         num_tokens: int,
         kv_written: Callable[[], None] | None = None,
+        decode_engine_id: str = "",
     ) -> None:
         """The request's prompt KV is computed into block_ids; push it once decode has registered.
 
         kv_written: optional barrier the push thread calls before reading the blocks (e.g. a CUDA event's
         synchronize, recorded by the engine on the stream that wrote the KV): the engine never waits.
+        decode_engine_id: the decode engine the router sent this request to, when known: only that engine
+        may then register for it or abort it (otherwise the first engine to register owns it).
         """
         at = time.monotonic()
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
-        self._push.submit(lambda: self._push.cmd_prefill_done(request_id, blocks, num_tokens, at, kv_written))
+        self._push.submit(
+            lambda: self._push.cmd_prefill_done(
+                request_id, blocks, num_tokens, at, kv_written, decode_engine_id
+            )
+        )
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
         self._push.submit(lambda: self._push.cmd_abort(request_id, reason))

@@ -14,6 +14,8 @@ Invariants:
   may still be in flight;
 - only the newest attempt of a request is ever written; a superseded attempt's blocks are never touched;
 - duplicate registrations and duplicate prefill_done are idempotent;
+- a request belongs to the decode engine whose registration claimed it first, or the one `prefill_done`
+  names: no other engine can register for it, supersede it or abort it (claims.py);
 - no WRITE is started at or after its registration's `expires_at` (the decode frees the blocks once that
   expiry plus the WRITE bound has passed); a registration that expires unserved fails the request;
 - a decode rank is told about every failure of a WRITE it may be waiting for, and whether the WRITE was
@@ -24,52 +26,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Literal
 
+from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .reasons import Failure
+from .sender_actions import EventOrder as EventOrder
+from .sender_actions import NotifyFailure as NotifyFailure
+from .sender_actions import ReleaseSource as ReleaseSource
+from .sender_actions import SenderAction as SenderAction
+from .sender_actions import StartWrite as StartWrite
 from .table import IGNORE, Ignore, transition
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
-
-EventOrder = Literal["registration_first", "prefill_first"]
-
-
-@dataclass(frozen=True)
-class StartWrite:
-    request_id: str
-    attempt: int
-    decode_engine_id: str
-    decode_rank: int
-    decode_tp: int
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
-    num_tokens: int
-    heads: HeadRange
-    order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
-
-
-@dataclass(frozen=True)
-class NotifyFailure:
-    request_id: str
-    attempt: int
-    decode_engine_id: str
-    decode_rank: int
-    reason: str
-    abandoned: bool = False  # a posted WRITE was given up at its timeout: its bytes may still land
-    kind: Failure = field(default=Failure.REFUSED, compare=False)
-
-
-@dataclass(frozen=True)
-class ReleaseSource:
-    request_id: str
-    block_ids: tuple[int, ...]
-    ok: bool
-    nbytes: int
-    reason: str = ""
-    kind: Failure | None = field(default=None, compare=False)  # None when ok
-
-
-SenderAction = StartWrite | NotifyFailure | ReleaseSource
 
 
 def _refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> NotifyFailure:
@@ -147,6 +114,7 @@ class _Entry:
     num_tokens: int = 0
     attempt: int = -1
     decode_engine_id: str = ""
+    owner: str = NO_OWNER  # the only decode engine that may act on it (claims.py)
     decode_tp: int = 0
     ranks: dict[int, _Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
     stale_in_flight: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank) of superseded WRITEs
@@ -162,7 +130,13 @@ class SenderState:
     """One prefill rank's view of every request it may push."""
 
     def __init__(
-        self, prefill_rank: int, prefill_tp: int, total_kv_heads: int, lease_s: float, tombstone_s: float
+        self,
+        prefill_rank: int,
+        prefill_tp: int,
+        total_kv_heads: int,
+        lease_s: float,
+        tombstone_s: float,
+        abort_tombstones_per_engine: int = 4096,
     ) -> None:
         self.rank = prefill_rank
         self.tp = prefill_tp
@@ -170,7 +144,7 @@ class SenderState:
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
         self._entries: dict[str, _Entry] = {}
-        self._tombstones: dict[str, tuple[int, float]] = {}  # request -> (last attempt, expiry)
+        self._tombstones = Tombstones(tombstone_s, abort_tombstones_per_engine)
 
     # ---- queries ----------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -195,8 +169,11 @@ class SenderState:
         expired: list[SenderAction] = [_refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
+        owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
+        if foreign(owner, reg.decode_engine_id):
+            return [_refusal(reg, claimed_by_other(reg.request_id))]
         if entry is None and tomb is not None:
-            if reg.attempt <= tomb[0]:
+            if reg.attempt <= tomb.attempt:
                 return []  # a late duplicate of something already finished
             return [_refusal(reg, "source KV already released (request finished on prefill)")]
         if entry is None:
@@ -205,6 +182,8 @@ class SenderState:
             entry = self._entries[reg.request_id] = _Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
+        if entry.phase is SendPhase.OPEN:
+            entry.owner = reg.decode_engine_id
         if entry.phase is SendPhase.ENDING:
             current = entry.ranks.get(reg.decode_rank) if reg.attempt == entry.attempt else None
             if current is not None and current.state in (DecodeRankState.WRITING, DecodeRankState.DONE):
@@ -239,19 +218,22 @@ class SenderState:
         return self._advance(entry, now)
 
     def on_prefill_done(
-        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, now: float
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        now: float,
+        decode_engine_id: str = NO_OWNER,
     ) -> list[SenderAction]:
-        if request_id in self._tombstones and request_id not in self._entries:
-            return [
-                ReleaseSource(
-                    request_id,
-                    block_ids,
-                    False,
-                    0,
-                    "request already finished or aborted on prefill",
-                    Failure.ABORTED,
-                )
-            ]
+        """The source KV is computed. `decode_engine_id`, when the prefill engine knows it (the router told
+        it where the decode runs), makes that engine the owner: an earlier claim by another engine is
+        refused and dropped, and another engine's abort of the id is ignored."""
+        tomb = self._tombstones.get(request_id)
+        if tomb is not None and request_id not in self._entries:
+            if not (decode_engine_id and foreign(tomb.owner, decode_engine_id)):
+                why = "request already finished or aborted on prefill"
+                return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.ABORTED)]
+            self._tombstones.forget(request_id)  # another engine's word about a request not its own
         entry = self._entries.get(request_id)
         if entry is None:
             entry = self._entries[request_id] = _Entry(
@@ -260,10 +242,15 @@ class SenderState:
         if entry.src_blocks is not None:
             why = "duplicate prefill_done: kept the first"
             return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
+        actions: list[SenderAction] = []
+        if decode_engine_id and entry.phase is SendPhase.OPEN:
+            if foreign(entry.owner, decode_engine_id):
+                actions += self._drop_claim(entry)
+            entry.owner = decode_engine_id
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
-        return self._advance(entry, now)
+        return actions + self._advance(entry, now)
 
     def on_write_done(
         self,
@@ -306,7 +293,7 @@ class SenderState:
     ) -> list[SenderAction]:
         entry = self._entries.get(request_id)
         if entry is None:
-            self._tombstones.setdefault(request_id, (-1, now + self.tombstone_s))
+            self._tombstones.prefill_aborted(request_id, now)
             return []
         return self._end(entry, reason, kind) + self._advance(entry, now)
 
@@ -317,11 +304,17 @@ class SenderState:
             msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason, kind=Failure.ABORTED
         )
         entry = self._entries.get(msg.request_id)
+        tomb = self._tombstones.get(msg.request_id)
+        owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
+        if foreign(owner, msg.decode_engine_id):
+            why = f"abort refused: {claimed_by_other(msg.request_id)}"
+            return [NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, why)]
         if entry is None:
-            tomb = self._tombstones.get(msg.request_id)
-            if tomb is None or tomb[0] < msg.attempt:
-                self._tombstones[msg.request_id] = (msg.attempt, now + self.tombstone_s)
+            if tomb is None or tomb.attempt < msg.attempt:
+                self._tombstones.decode_aborted(msg.request_id, msg.attempt, msg.decode_engine_id, now)
             return [ack]
+        if entry.phase is SendPhase.OPEN:
+            entry.owner = msg.decode_engine_id
         if msg.attempt < entry.attempt:
             # a superseded attempt: nothing more is written into it; if no WRITE of it is in flight the
             # decode may have its blocks back now (else the WRITE's outcome answers)
@@ -352,9 +345,7 @@ class SenderState:
                 actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
             elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
                 self._finish(entry, now)  # waited long enough for a prefill_done that never came
-        for rid, (_attempt, expiry) in list(self._tombstones.items()):
-            if now >= expiry:
-                del self._tombstones[rid]
+        self._tombstones.expire(now)
         return actions
 
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
@@ -402,6 +393,24 @@ class SenderState:
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
         entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
         entry.nbytes = 0
+
+    def _drop_claim(self, entry: _Entry) -> list[SenderAction]:
+        """Another engine registered before the prefill engine named the owner: that engine is told and its
+        claim forgotten (nothing of it was written: there was no source yet)."""
+        told: list[SenderAction] = [
+            NotifyFailure(
+                entry.request_id,
+                entry.attempt,
+                entry.decode_engine_id,
+                d,
+                claimed_by_other(entry.request_id),
+                kind=Failure.REFUSED,
+            )
+            for d, rank in sorted(entry.ranks.items())
+            if rank.state is DecodeRankState.REGISTERED
+        ]
+        entry.attempt, entry.decode_engine_id, entry.decode_tp, entry.ranks = -1, "", 0, {}
+        return told
 
     def _refuse_registration(self, reg: Registration) -> str:
         try:
@@ -488,4 +497,4 @@ class SenderState:
     def _finish(self, entry: _Entry, now: float | None) -> None:
         del self._entries[entry.request_id]
         expiry = (now if now is not None else entry.deadline) + self.tombstone_s
-        self._tombstones[entry.request_id] = (entry.attempt, expiry)
+        self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry)

@@ -36,12 +36,16 @@ ENVELOPE_BYTES = 4
 TAG_BYTES = 32
 SEQ_BYTES = 8
 
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+MAX_REQUEST_ID = 512
+MAX_TOKENS = 2**26
+MAX_BLOCK_ID = 2**40
+MAX_BLOCK_IDS = 1 << 20
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
-BlockId = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
-Tokens = Annotated[int, msgspec.Meta(ge=1, le=2**26)]
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=2048)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -106,7 +110,7 @@ class Registration(_Msg, frozen=True):
     decode_engine_id: Name
     decode_rank: Rank
     decode_tp: TpSize
-    block_ids: Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=1 << 20)]
+    block_ids: Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCK_IDS)]
     num_tokens: Tokens
     # The prefill's monotonic clock after which it must never post a WRITE for this registration (the
     # decode computes it conservatively from its own expiry and the prefill's clock readings).
@@ -246,6 +250,32 @@ class Codec:
                 f"non-canonical {name} message: duplicate, reordered or re-encoded fields are refused"
             )
         return msg
+
+
+def request_problem(
+    request_id: str, block_ids: list[int] | tuple[int, ...], num_tokens: int, max_bytes: int | None
+) -> str:
+    """What would make the wire refuse this request's registration ("" if nothing), checked where the engine
+    calls in, so a request the wire cannot carry fails at once by name instead of timing out. With
+    max_bytes, the registration's encoded size is bounded too (from the widest block id, without encoding)."""
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID:
+        return f"request id is {len(request_id)} characters; the wire carries 1..{MAX_REQUEST_ID}"
+    if not 1 <= num_tokens <= MAX_TOKENS:
+        return f"num_tokens {num_tokens} is outside the wire's 1..{MAX_TOKENS}"
+    if len(block_ids) > MAX_BLOCK_IDS:
+        return f"{len(block_ids)} block ids; a registration carries at most {MAX_BLOCK_IDS}"
+    if max_bytes is None or not block_ids:
+        return ""
+    widest = max(block_ids)
+    per_id = 1 if widest < 128 else 3 if widest < 1 << 16 else 5 if widest < 1 << 32 else 9
+    # fixed fields: envelope, field names, the engine id (<= 256 characters) and the numbers (~200 bytes)
+    size = per_id * len(block_ids) + len(request_id.encode()) + 600
+    if size > max_bytes:
+        return (
+            f"a registration of {len(block_ids)} block ids is about {size} bytes, over max_message_bytes "
+            f"{max_bytes}: raise max_message_bytes on both sides, or use larger blocks"
+        )
+    return ""
 
 
 # ---- frames --------------------------------------------------------------------------------------

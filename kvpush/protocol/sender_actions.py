@@ -1,0 +1,50 @@
+"""The sender machine's actions: what SenderState asks its edge to do (start a WRITE, tell a decode rank it
+will not be written, release source blocks). Plain frozen data, so the edge and the tests read them alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .reasons import Failure
+from .tp import HeadRange
+
+EventOrder = Literal["registration_first", "prefill_first"]
+
+
+@dataclass(frozen=True)
+class StartWrite:
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    decode_tp: int
+    src_blocks: tuple[int, ...]
+    dst_blocks: tuple[int, ...]
+    num_tokens: int
+    heads: HeadRange
+    order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
+
+
+@dataclass(frozen=True)
+class NotifyFailure:
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    reason: str
+    abandoned: bool = False  # a posted WRITE was given up at its timeout: its bytes may still land
+    kind: Failure = field(default=Failure.REFUSED, compare=False)
+
+
+@dataclass(frozen=True)
+class ReleaseSource:
+    request_id: str
+    block_ids: tuple[int, ...]
+    ok: bool
+    nbytes: int
+    reason: str = ""
+    kind: Failure | None = field(default=None, compare=False)  # None when ok
+
+
+SenderAction = StartWrite | NotifyFailure | ReleaseSource
