@@ -36,6 +36,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.apps.cliutil import log_level, port, positive_float
+
 from ..params import KVTransferParams
 
 log = logging.getLogger("kvpush.proxy")
@@ -513,7 +515,7 @@ def _expand(values: list[Any] | None, n: int, default: Any, name: str) -> list[A
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     parser.add_argument(
         "--prefill",
         action="append",
@@ -548,9 +550,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-tp-size", action="append", type=int)
     parser.add_argument("--prefill-pp-size", action="append", type=int)
-    parser.add_argument("--connect-timeout", type=float, default=5.0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--connect-timeout", type=positive_float, default=5.0)
+    parser.add_argument("--request-timeout", type=positive_float, default=600.0)
+    parser.add_argument("--log-level", type=log_level, default="WARNING")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
