@@ -33,8 +33,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)+cpu" \
 	  || { echo "no CPU build of torch $(TORCH_VERSION) on the configured indexes: installing the default build"; \
 	       $(BIN)/pip install -q "torch==$(TORCH_VERSION)"; }
-	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==$$($(BIN)/python -c 'import torch; print(torch.__version__)')"
+	$(BIN)/python -W ignore -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]" "torch==$$($(BIN)/python -W ignore -c 'import torch; print(torch.__version__)')"
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
