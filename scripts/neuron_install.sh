@@ -90,11 +90,33 @@ def req_name(req):
 
 
 project = tomllib.load(open(pyproject, "rb"))["project"]
-reqs = list(project.get("dependencies", []))
-for extra in filter(None, (e.strip() for e in extras.split(","))):
-    if extra not in project.get("optional-dependencies", {}):
+optional = project.get("optional-dependencies", {})
+
+
+def expand(extra, seen):
+    """An extra's requirements, with kvpush's own extras (`kvpush[nixl,plot]`) expanded in place."""
+    if extra not in optional:
         sys.exit(f"neuron_install.sh: kvpush has no extra {extra!r}")
-    reqs += project["optional-dependencies"][extra]
+    out = []
+    for req in optional[extra]:
+        own = re.match(r"\s*kvpush\[([^\]]*)\]\s*$", req)
+        if not own:
+            out.append(req)
+            continue
+        for sub in filter(None, (e.strip() for e in own.group(1).split(","))):
+            if sub not in seen:
+                seen.add(sub)
+                out += expand(sub, seen)
+    return out
+
+
+reqs = list(project.get("dependencies", []))
+seen = set()
+for extra in filter(None, (e.strip() for e in extras.split(","))):
+    if extra not in seen:
+        seen.add(extra)
+        reqs += expand(extra, seen)
+reqs = list(dict.fromkeys(reqs))
 protected = {norm(ln.split("#")[0].strip()) for ln in open(protected_file) if ln.split("#")[0].strip()}
 installed = {ln.split("==")[0]: ln.split("==")[1].strip() for ln in open(constraints) if "==" in ln}
 missing = []

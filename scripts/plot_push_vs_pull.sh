@@ -17,6 +17,6 @@ KVPUSH_BIN=${KVPUSH_BIN:-kvpush}
 }
 read -r -a metrics <<< "$METRICS"
 for metric in "${metrics[@]}"; do
-  "$KVPUSH_BIN" plot --results-dir "$RESULT_DIR" --metric "$metric" --stat "$STAT" --out "$RESULT_DIR/$metric.png"
+  "$KVPUSH_BIN" plot --result-dir "$RESULT_DIR" --metric "$metric" --stat "$STAT" --out "$RESULT_DIR/$metric.png"
   echo "wrote $RESULT_DIR/$metric.png"
 done

@@ -2,7 +2,7 @@
 # Load sweep against the P/D proxy with `vllm bench serve`: every (input length, output length, QPS,
 # iteration) point once, one result file per point:
 #   $RESULT_DIR/<mode>_qps<q>_in<in>_out<out>_iter<i>.json
-# which is what `kvpush plot --results-dir $RESULT_DIR --metric ttft|tpot` reads.
+# which is what `kvpush plot --result-dir $RESULT_DIR --metric ttft|tpot` reads.
 #
 #   MODE=push scripts/run_sweep.sh      # after ROLE=prefill/decode/proxy MODE=push scripts/serve_pd.sh
 #   MODE=pull scripts/run_sweep.sh      # the same lists, after restarting everything with MODE=pull

@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in ("boto3", "botocore"):
             raise
-        print("kvpush cluster: boto3 is not installed: pip install 'kvpush[infra]'", file=sys.stderr)
+        print("kvpush cluster: boto3 is not installed: pip install 'kvpush[cluster]'", file=sys.stderr)
         return 2
 
 

@@ -1,125 +1,42 @@
-"""`kvpush doctor [--json]`: what this machine offers kvpush, and the memory path and transport it would
-choose, with the reason.
-
-Every probe is best-effort and quick: the instance type comes from IMDS only if 169.254.169.254 answers
-within a fraction of a second, NIXL backends are tried on a throw-away agent, the Neuron runtime is probed
-through its symbols (never initialised here). Nothing is required; what is missing is reported.
+"""`kvpush doctor [--json]`: is this host ready for kvpush, and which memory path and transport would it
+use? A gate, not only a report: it exits 1 when it finds a blocking problem (the transport it would use
+does not load, NIXL is missing, memory registration would fail on memlock) and names the fix for each
+problem it finds. The JSON schema is in docs/doctor.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import platform
-import shutil
-import subprocess
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-IMDS = "http://169.254.169.254"
+from kvpush.apps.doctor_probes import (
+    cuda_report,
+    efa_report,
+    gpudirect_report,
+    imds_instance_type,
+    memlock_report,
+    neuron_report,
+    nixl_report,
+    ucx_report,
+    versions,
+)
+
+__all__ = ["DEVICES_PER_EFA", "NO_DEVICE_DIRECT", "Probes", "collect", "decide", "find_problems", "run"]
+
+SCHEMA_VERSION = 1
 # Sizes whose Neuron devices cannot each reach their own EFA (NIXL PR #1994; no FI_HMEM_NEURON there).
 NO_DEVICE_DIRECT = {
     "trn2.3xlarge": "a single host EFA cannot be routed to individual Neuron devices (no FI_HMEM_NEURON)",
 }
 # Neuron devices per EFA device on the sizes kvpush supports (Neuron device maps; trn1: 2 per EFA).
 DEVICES_PER_EFA = {"trn1.32xlarge": 2, "trn1n.32xlarge": 1, "trn2.48xlarge": 1}
-
-
-def imds_instance_type(timeout: float = 0.3) -> str | None:
-    """IMDSv2 instance type, or None when IMDS does not answer at once (not on EC2, or blocked)."""
-    try:
-        req = urllib.request.Request(
-            f"{IMDS}/latest/api/token", method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"}
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            token = resp.read().decode()
-        req = urllib.request.Request(
-            f"{IMDS}/latest/meta-data/instance-type", headers={"X-aws-ec2-metadata-token": token}
-        )
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return str(resp.read().decode().strip()) or None
-    except (OSError, ValueError):
-        return None
-
-
-def nixl_report() -> dict[str, Any]:
-    """NIXL version, the plugins it can see, and which of UCX / LIBFABRIC instantiate (with mem types)."""
-    out: dict[str, Any] = {"version": None, "plugins": [], "backends": {}}
-    try:
-        from importlib.metadata import version
-
-        out["version"] = version("nixl")
-    except ImportError:
-        pass
-    except Exception as exc:  # noqa: BLE001 - metadata lookups fail in many ways; report, never crash
-        out["version_error"] = str(exc)
-    try:
-        from kvpush.transport.nixl import NixlTransport, prepare_environment
-    except ImportError as exc:
-        out["error"] = str(exc)
-        return out
-    prepare_environment("lo")
-    for backend in ("UCX", "LIBFABRIC"):
-        try:
-            t = NixlTransport(f"kvpush-doctor-{backend}", (backend,), environ={})
-        except Exception as exc:  # noqa: BLE001 - the reason is the report
-            out["backends"][backend] = {"ok": False, "error": str(exc)}
-            continue
-        out["plugins"] = sorted(t._agent.get_plugin_list())
-        out["backends"][backend] = {"ok": True, "mem_types": list(t._agent.get_backend_mem_types(backend))}
-        t.close()
-    return out
-
-
-def cuda_report() -> dict[str, Any]:
-    try:
-        import torch
-    except ImportError:
-        return {"available": False, "reason": "torch not installed"}
-    if not torch.cuda.is_available():
-        return {"available": False, "reason": "torch sees no CUDA device"}
-    return {
-        "available": True,
-        "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
-    }
-
-
-def neuron_report() -> dict[str, Any]:
-    devices = sorted(glob.glob("/dev/neuron[0-9]*"))
-    out: dict[str, Any] = {"devices": len(devices)}
-    try:
-        from kvpush.backends.neuron import EFA_BDF_SYMBOL, NeuronRuntime
-        from kvpush.errors import KVPushError
-
-        rt = NeuronRuntime.load()
-        out["runtime"] = {
-            "path": rt.path,
-            "version": ".".join(map(str, rt.version())),
-            EFA_BDF_SYMBOL: rt.has_symbol(EFA_BDF_SYMBOL),
-        }
-    except KVPushError as exc:
-        out["runtime"] = None
-        out["runtime_error"] = str(exc)
-    return out
-
-
-def efa_report(run: Callable[..., Any] = subprocess.run) -> dict[str, Any]:
-    out: dict[str, Any] = {"devices": len(glob.glob("/sys/class/infiniband/*")), "fi_info": None}
-    if shutil.which("fi_info"):
-        try:
-            res = run(["fi_info", "-p", "efa", "-t", "FI_EP_RDM"], capture_output=True, text=True, timeout=5)
-            domains = {
-                ln.split(":", 1)[1].strip()
-                for ln in res.stdout.splitlines()
-                if ln.strip().startswith("domain:")
-            }
-            out["fi_info"] = {"rc": res.returncode, "efa_domains": sorted(domains)}
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            out["fi_info"] = {"error": str(exc)}
-    return out
+NIXL_SUPPORTED = ((1, 5), (2, 0))  # [low, high): the NIXL API kvpush is written and tested against
+MEMLOCK_RDMA_MIN = 64 << 30  # below this, pinning a production KV cache for RDMA fails part-way
+BLOCKING, WARNING = "blocking", "warning"
 
 
 @dataclass
@@ -131,6 +48,10 @@ class Probes:
     cuda: Callable[[], dict[str, Any]] = cuda_report
     neuron: Callable[[], dict[str, Any]] = neuron_report
     efa: Callable[[], dict[str, Any]] = efa_report
+    ucx: Callable[[], dict[str, Any]] = ucx_report
+    memlock: Callable[[], dict[str, int | None]] = memlock_report
+    gpudirect: Callable[[], dict[str, Any]] = gpudirect_report
+    versions: Callable[[], dict[str, str | None]] = versions
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -192,43 +113,220 @@ def decide(report: dict[str, Any]) -> dict[str, str]:
     return {"memory": "host DRAM", "transport": transport, "reason": f"no accelerator visible; {why_t}"}
 
 
+def _problem(pid: str, severity: str, what: str, fix: str) -> dict[str, str]:
+    return {"id": pid, "severity": severity, "what": what, "fix": fix}
+
+
+def _version_tuple(text: str | None) -> tuple[int, ...]:
+    parts = []
+    for piece in (text or "").split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n >> 10} KiB"
+
+
+def find_problems(report: dict[str, Any]) -> list[dict[str, str]]:
+    """Every problem doctor sees, blocking ones first, each with the fix."""
+    found: list[dict[str, str]] = []
+    nixl, choice = report["nixl"], report["choice"]
+    efa, neuron, cuda = report["efa"], report["neuron"], report["cuda"]
+    rdma = [d for d in efa.get("rdma", []) if d.get("driver")] or [{"name": "efa", "driver": "efa"}] * int(
+        efa["devices"]
+    )
+    if not nixl.get("installed", True):
+        found.append(
+            _problem(
+                "nixl-missing",
+                BLOCKING,
+                "NIXL is not installed: kvpush has no transport between processes",
+                "pip install 'kvpush[nixl]' (install the torch build you want first: NIXL's wheels need one)",
+            )
+        )
+    else:
+        chosen = nixl["backends"].get(choice["transport"], {})
+        if not chosen.get("ok"):
+            fix = (
+                "install the EFA software (aws-efa-installer) so libfabric with the efa provider is on the "
+                "loader path (/opt/amazon/efa/lib)"
+                if choice["transport"] == "LIBFABRIC"
+                else "reinstall NIXL (pip install --force-reinstall 'kvpush[nixl]'); unset NIXL_PLUGIN_DIR if "
+                "it points at another build"
+            )
+            found.append(
+                _problem(
+                    "transport-unavailable",
+                    BLOCKING,
+                    f"the chosen transport {choice['transport']} does not load: {chosen.get('error', 'not tried')}",
+                    fix,
+                )
+            )
+        have = _version_tuple(nixl.get("version"))
+        low, high = NIXL_SUPPORTED
+        if have and not (low <= have[:2] < high):
+            found.append(
+                _problem(
+                    "nixl-version",
+                    WARNING,
+                    f"NIXL {nixl.get('version')} is outside the range kvpush supports (>=1.5,<2)",
+                    "pip install 'nixl>=1.5,<2' (on a Neuron DLAMI see docs/backends.md before replacing its NIXL)",
+                )
+            )
+    soft = report["memlock"].get("soft")
+    if rdma and soft is not None and soft < MEMLOCK_RDMA_MIN:
+        found.append(
+            _problem(
+                "memlock",
+                BLOCKING,
+                f"RLIMIT_MEMLOCK is {_gib(soft)} on a host with RDMA devices: registering the KV cache pins it "
+                "and fails past that limit",
+                "raise it to unlimited: `ulimit -l unlimited` in the launching shell, `* - memlock unlimited` "
+                "in /etc/security/limits.d/, LimitMEMLOCK=infinity for systemd, --ulimit memlock=-1 for docker",
+            )
+        )
+    if efa["devices"] and not nixl["backends"].get("LIBFABRIC", {}).get("ok"):
+        found.append(
+            _problem(
+                "efa-without-libfabric",
+                WARNING,
+                f"{efa['devices']} EFA devices but NIXL's LIBFABRIC backend does not load: transfers between "
+                "hosts would go over UCX instead of EFA",
+                "install the EFA software (aws-efa-installer) and a NIXL build with the LIBFABRIC plugin",
+            )
+        )
+    fi = efa.get("fi_info")
+    if efa["devices"] and (not fi or fi.get("rc") != 0 or not fi.get("efa_domains")):
+        found.append(
+            _problem(
+                "efa-fi-info",
+                WARNING,
+                "EFA devices present but `fi_info -p efa -t FI_EP_RDM` finds no EFA domain",
+                "install the EFA software (aws-efa-installer) and put /opt/amazon/efa/bin on PATH",
+            )
+        )
+    ucx_net = report["ucx"].get("env", {}).get("UCX_NET_DEVICES", "")
+    if ucx_net in ("lo", "lo0") and choice["transport"] == "UCX":
+        found.append(
+            _problem(
+                "ucx-loopback",
+                WARNING,
+                "UCX_NET_DEVICES=lo: UCX is confined to loopback, so only peers on this host can be reached",
+                "unset UCX_NET_DEVICES (or name the NICs to use) for a deployment across hosts",
+            )
+        )
+    if (
+        cuda.get("available")
+        and rdma
+        and not report["gpudirect"].get("peermem")
+        and choice["memory"].startswith("cuda, host")
+    ):
+        found.append(
+            _problem(
+                "gpudirect-rdma",
+                WARNING,
+                "CUDA GPUs and RDMA devices, but no GPUDirect RDMA: the KV cache is staged through host memory",
+                "load the peer-memory module (`modprobe nvidia_peermem`), or use an EFA driver and kernel with "
+                "dma-buf support (Linux >= 5.12)",
+            )
+        )
+    if not cuda.get("available") and cuda.get("dev_nodes"):
+        found.append(
+            _problem(
+                "cuda-not-visible",
+                WARNING,
+                f"{cuda['dev_nodes']} NVIDIA devices in /dev but torch sees no CUDA device ({cuda.get('reason')})",
+                "install a CUDA build of torch matching the driver, and check CUDA_VISIBLE_DEVICES",
+            )
+        )
+    if neuron["devices"] and choice["memory"].startswith("neuron, host"):
+        found.append(
+            _problem(
+                "neuron-staging",
+                WARNING,
+                f"Neuron devices, but no device-direct transfers: {choice['reason']}",
+                "for device-direct: Neuron runtime >= 2.31.24 (aws-neuronx-runtime-lib), one EFA per Neuron "
+                "device, NIXL's LIBFABRIC plugin; see docs/backends.md",
+            )
+        )
+    return sorted(found, key=lambda p: p["severity"] != BLOCKING)
+
+
 def collect(probes: Probes | None = None) -> dict[str, Any]:
     p = probes or Probes()
+    from kvpush.protocol.wire import WIRE_VERSION
+
     report: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
         "platform": {
             "system": platform.platform(),
             "machine": platform.machine(),
             "python": platform.python_version(),
         },
+        "wire_version": WIRE_VERSION,
+        "versions": p.versions(),
         "instance_type": p.instance_type(),
         "nixl": p.nixl(),
+        "ucx": p.ucx(),
+        "memlock": p.memlock(),
         "cuda": p.cuda(),
+        "gpudirect": p.gpudirect(),
         "neuron": p.neuron(),
         "efa": p.efa(),
         **p.extra,
     }
     report["choice"] = decide(report)
+    report["problems"] = find_problems(report)
+    report["ok"] = not any(pr["severity"] == BLOCKING for pr in report["problems"])
     return report
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print the report as JSON (schema: docs/doctor.md)"
+    )
 
 
-def run(args: argparse.Namespace, probes: Probes | None = None) -> int:
-    report = collect(probes)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
+def _print_text(report: dict[str, Any]) -> None:
     c = report["choice"]
+    ml = report["memlock"]["soft"]
     print(f"platform      {report['platform']['system']} ({report['platform']['machine']})")
     print(f"instance type {report['instance_type'] or 'unknown (IMDS not reachable)'}")
+    print("versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v))
     nixl = report["nixl"]
     print(f"NIXL          {nixl.get('version')}; plugins: {', '.join(nixl.get('plugins', [])) or 'none'}")
     for name, b in nixl["backends"].items():
         print(f"  {name:<10}  " + (f"loads, memory {b['mem_types']}" if b["ok"] else f"no: {b['error']}"))
+    ucx = report["ucx"]
+    print(f"UCX           modules {', '.join(ucx['modules']) or '?'}; env {ucx['env'] or 'default'}")
+    if ucx.get("transports") is not None:
+        print(
+            f"  ucx_info    transports {', '.join(ucx['transports'])}; devices {', '.join(ucx['devices'] or [])}"
+        )
+    print(f"memlock       {'unlimited' if ml is None else _gib(ml)}")
     print(f"CUDA          {report['cuda']}")
+    print(f"GPUDirect     peer-memory modules: {', '.join(report['gpudirect']['peermem']) or 'none'}")
     print(f"Neuron        {report['neuron']}")
-    print(f"EFA           {report['efa']}")
+    rdma = ", ".join(f"{d['name']} ({d['driver'] or '?'})" for d in report["efa"].get("rdma", []))
+    print(
+        f"EFA           {report['efa']['devices']} devices; RDMA: {rdma or 'none'}; fi_info {report['efa']['fi_info']}"
+    )
     print(f"choice        {c['memory']} over {c['transport']}: {c['reason']}")
-    return 0
+    for pr in report["problems"]:
+        print(f"{pr['severity'].upper():<8}      {pr['what']}\n              fix: {pr['fix']}")
+    blocking = sum(pr["severity"] == BLOCKING for pr in report["problems"])
+    print("result        " + ("ready" if report["ok"] else f"NOT READY: {blocking} blocking problem(s)"))
+
+
+def run(args: argparse.Namespace, probes: Probes | None = None) -> int:
+    """0 when kvpush can run here (warnings allowed), 1 when a blocking problem was found."""
+    report = collect(probes)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print_text(report)
+    return 0 if report["ok"] else 1

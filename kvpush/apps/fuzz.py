@@ -35,6 +35,7 @@ from ..protocol.wire import (
     TransferFailed,
     hmac_tag,
 )
+from .cliutil import alias, positive_int
 
 _KEY = b"fuzzing-key-0123456789abcdef"
 _NONCE_D, _NONCE_P = b"d" * 16, b"p" * 16
@@ -170,9 +171,10 @@ def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cases", type=int, default=100_000, help="inputs to try (default 100000)")
+    parser.add_argument("--cases", type=positive_int, default=100_000, help="inputs to try")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--output-json", dest="json", metavar="PATH", help="also write the report as JSON")
+    alias(parser, "--json", "json", metavar="PATH")
 
 
 def run(args: argparse.Namespace) -> int:

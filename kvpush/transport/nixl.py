@@ -127,7 +127,9 @@ class NixlTransport:
         try:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise TransportError(f"NIXL is not importable ({exc}); install nixl==1.5.1") from exc
+            raise TransportError(
+                f"NIXL is not importable ({exc}); install it with: pip install 'kvpush[nixl]'"
+            ) from exc
         chosen = selected_backends(backends, environ)
         params = backend_params or {}
         unknown = sorted(set(params) - set(chosen))

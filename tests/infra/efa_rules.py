@@ -98,7 +98,13 @@ def rule_interfaces_follow_network_cards(config: Config) -> list[str]:
 
 def rule_single_subnet(config: Config) -> list[str]:
     problems = []
-    subnets = config.get("aws_subnet", [])
+    # the NAT gateway's own small public subnet (private nodes' egress) holds no node
+    nat = bool(config.get("aws_nat_gateway"))
+    subnets = [
+        s
+        for s in config.get("aws_subnet", [])
+        if not (nat and str((s.get("tags") or {}).get("Name", "")).endswith("-nat"))
+    ]
     if len(subnets) > 1:
         problems.append(f"{len(subnets)} subnets: the cluster must live in one")
     used = set()

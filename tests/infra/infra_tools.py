@@ -11,6 +11,8 @@ import base64
 import importlib
 import json
 import os
+import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,6 +43,33 @@ def infra_tool(name: str) -> str:
     if not path.exists():
         _missing(str(path))
     return str(path)
+
+
+# Terraform versions the stacks accept (their required_version), and the oldest that fmt should be
+# run with for the formatting to be what `terraform fmt` gives an operator on an accepted version.
+TERRAFORM_MIN = (1, 3, 0)
+
+
+def terraform_version(path: str) -> tuple[int, ...] | None:
+    found = re.search(r"Terraform v(\d+)\.(\d+)\.(\d+)", run([path, "version"]).stdout)
+    return tuple(int(x) for x in found.groups()) if found else None
+
+
+def fmt_terraform() -> tuple[str, tuple[int, ...] | None]:
+    """The Terraform to run `fmt` with: the first of $KVPUSH_TERRAFORM, `terraform` on PATH and
+    /usr/local/bin/terraform that is >= 1.3.0; otherwise the PyPI 1.0.3 of .venv-infra (then
+    test_fmt_terraform_is_one_the_stacks_accept skips, saying so)."""
+    for candidate in (
+        os.environ.get("KVPUSH_TERRAFORM"),
+        shutil.which("terraform"),
+        "/usr/local/bin/terraform",
+    ):
+        if candidate and Path(candidate).exists() and ".venv-infra" not in candidate:
+            version = terraform_version(candidate)
+            if version and version >= TERRAFORM_MIN:
+                return candidate, version
+    fallback = infra_tool("terraform")
+    return fallback, terraform_version(fallback)
 
 
 def python_dep(name: str) -> ModuleType:

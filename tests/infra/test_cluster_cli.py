@@ -380,4 +380,4 @@ def test_without_boto3_the_error_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "boto3", None)  # makes `import boto3` raise ModuleNotFoundError
     assert kvpush("list", "--name", "c", "--region", REGION) == 2
-    assert "pip install 'kvpush[infra]'" in capsys.readouterr().err
+    assert "pip install 'kvpush[cluster]'" in capsys.readouterr().err

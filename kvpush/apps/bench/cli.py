@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.apps.bench.steps import MODES, PUSH
+from kvpush.apps.cliutil import alias, non_negative_int, port, positive_int
 
 QUICK = {
     "qps": "1,8",
@@ -24,20 +25,51 @@ QUICK = {
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="push,pull,pull-threaded", help="comma list of " + ",".join(MODES))
-    parser.add_argument("--qps", default="1,2,4,8", help="request rates (Poisson arrivals)")
-    parser.add_argument("--input-lens", default="1000,4000,8000,16000")
-    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--request-rate",
+        dest="qps",
+        metavar="RATES",
+        default="1,2,4,8",
+        help="comma list of request rates (Poisson arrivals)",
+    )
+    alias(parser, "--qps", "qps")
+    parser.add_argument(
+        "--random-input-len",
+        dest="input_lens",
+        metavar="LENS",
+        default="1000,4000,8000,16000",
+        help="comma list of prompt lengths",
+    )
+    alias(parser, "--input-lens", "input_lens")
+    parser.add_argument("--random-output-len", dest="output_len", metavar="N", type=positive_int, default=128)
+    alias(parser, "--output-len", "output_len", type=positive_int)
     parser.add_argument(
         "--duration",
         type=float,
         default=8.0,
         help="seconds of arrivals per point (requests = qps * duration, clamped)",
     )
-    parser.add_argument("--num-requests", type=int, default=0, help="fixed request count per point")
-    parser.add_argument("--min-requests", type=int, default=8)
-    parser.add_argument("--max-requests", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up requests per mode (not recorded)")
-    parser.add_argument("--iterations", type=int, default=1)
+    parser.add_argument(
+        "--num-prompts",
+        dest="num_requests",
+        metavar="N",
+        type=non_negative_int,
+        default=0,
+        help="fixed request count per point",
+    )
+    alias(parser, "--num-requests", "num_requests", type=non_negative_int)
+    parser.add_argument("--min-requests", type=positive_int, default=8)
+    parser.add_argument("--max-requests", type=positive_int, default=64)
+    parser.add_argument(
+        "--num-warmups",
+        dest="warmup",
+        metavar="N",
+        type=non_negative_int,
+        default=3,
+        help="warm-up requests per mode (not recorded)",
+    )
+    alias(parser, "--warmup", "warmup", type=non_negative_int)
+    parser.add_argument("--iterations", type=positive_int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-model", default=None, help="TOML cost model (default: Qwen3-32B TP8 H200)")
     parser.add_argument(
@@ -53,8 +85,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="override the cost model's pool aging (0: fresh pools; 1: one wrap, block "
         "tables descending; 2: default, ascending)",
     )
-    parser.add_argument("--base-port", type=int, default=25600)
-    parser.add_argument("--out", default="results", help="results folder")
+    parser.add_argument("--base-port", type=port, default=25600)
+    parser.add_argument("--result-dir", dest="out", metavar="DIR", default="results", help="results folder")
+    alias(parser, "--out", "out")
     parser.add_argument(
         "--quick",
         action="store_true",

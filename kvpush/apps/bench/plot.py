@@ -8,13 +8,18 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from kvpush.apps.cliutil import alias
+
 NAME = re.compile(
     r"^(?P<mode>[a-z-]+)_qps(?P<qps>[0-9.]+)_in(?P<inl>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$"
 )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--results-dir", default="results")
+    parser.add_argument(
+        "--result-dir", dest="results_dir", metavar="DIR", default="results", help="results folder"
+    )
+    alias(parser, "--results-dir", "results_dir")
     parser.add_argument("--metric", choices=("ttft", "tpot", "itl", "e2el"), default="ttft")
     parser.add_argument("--stat", choices=("median", "mean", "p99"), default="median")
     parser.add_argument("--out", default=None, help="PNG path (default: <results-dir>/<metric>.png)")

@@ -29,33 +29,37 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvpush.apps.cliutil import alias, non_negative_int, port, positive_int
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
 from kvpush.apps.ports import free_port_range
 from kvpush.protocol.layout import blocks_for
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=16384)
-    p.add_argument("--min-tokens", type=int, default=16)
-    p.add_argument("--prefill-block-size", type=int, default=16)
-    p.add_argument("--decode-block-size", type=int, default=32)
-    p.add_argument("--prefill-tp", type=int, default=1)
-    p.add_argument("--decode-tp", type=int, default=1)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=1, help="total KV heads (split over TP)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype-size", type=int, default=2)
+    p.add_argument(
+        "--num-prompts", dest="requests", metavar="N", type=positive_int, default=64, help="requests to push"
+    )
+    alias(p, "--requests", "requests", type=positive_int)
+    p.add_argument("--max-tokens", type=positive_int, default=16384)
+    p.add_argument("--min-tokens", type=positive_int, default=16)
+    p.add_argument("--prefill-block-size", type=positive_int, default=16)
+    p.add_argument("--decode-block-size", type=positive_int, default=32)
+    p.add_argument("--prefill-tp", type=positive_int, default=1)
+    p.add_argument("--decode-tp", type=positive_int, default=1)
+    p.add_argument("--layers", type=positive_int, default=16)
+    p.add_argument("--kv-heads", type=positive_int, default=1, help="total KV heads (split over TP)")
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--dtype-size", type=positive_int, default=2)
     p.add_argument("--token-order", choices=["NHD", "HND"], default="NHD")
-    p.add_argument("--window", type=int, default=4, help="requests in flight at once")
+    p.add_argument("--window", type=positive_int, default=4, help="requests in flight at once")
     p.add_argument(
         "--run-blocks",
-        type=int,
+        type=positive_int,
         default=8,
         help="free lists are shuffled runs of this many blocks (1 = fully random)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, default=0, help="prefill side-channel base port (0: pick free)")
+    p.add_argument("--port", type=port, default=0, help="prefill side-channel base port (0: pick free)")
     p.add_argument(
         "--device",
         choices=["cpu", "cuda"],
@@ -76,7 +80,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--post-workers",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="prefill posting threads (config post_workers; 0: the push thread posts; default: config's)",
     )
@@ -86,7 +90,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill sends no Posted nudge after posting (config posted_nudge=False)",
     )
-    p.add_argument("--json", dest="json_path", default=None, help="write the result summary here")
+    p.add_argument("--output-json", dest="json_path", metavar="PATH", help="write the result summary here")
+    alias(p, "--json", "json_path", metavar="PATH")
 
 
 @dataclass

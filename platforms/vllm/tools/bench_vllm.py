@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvpush.apps.cliutil import alias, positive_int
 from kvpush.apps.procstat import thread_run_ns
 
 from . import client
@@ -174,17 +175,28 @@ def bootstrap_ratio(
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull")
-    parser.add_argument("--qps", default="1,4", help="comma-separated request rates")
+    parser.add_argument(
+        "--request-rate", dest="qps", metavar="RATES", default="1,4", help="comma-separated request rates"
+    )
+    alias(parser, "--qps", "qps")
     parser.add_argument(
         "--loads",
         default="",
         help="comma-separated offered prefill loads (fractions of one prefill engine's capacity, measured "
-        "first with a single engine); replaces --qps with a per-input-length request rate",
+        "first with a single engine); replaces --request-rate with a per-input-length request rate",
     )
-    parser.add_argument("--input-lens", default="1024,4096", help="comma-separated prompt lengths (tokens)")
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--num-prompts", type=int, default=40)
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument(
+        "--random-input-len",
+        dest="input_lens",
+        metavar="LENS",
+        default="1024,4096",
+        help="comma-separated prompt lengths (tokens)",
+    )
+    alias(parser, "--input-lens", "input_lens")
+    parser.add_argument("--random-output-len", dest="output_len", metavar="N", type=positive_int, default=32)
+    alias(parser, "--output-len", "output_len", type=positive_int)
+    parser.add_argument("--num-prompts", type=positive_int, default=40)
+    parser.add_argument("--reps", type=positive_int, default=2)
     parser.add_argument("--variant", default="realistic")
     parser.add_argument("--model", default=None)
     parser.add_argument("--seed", type=int, default=0)

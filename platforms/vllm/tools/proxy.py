@@ -31,6 +31,8 @@ import logging
 import time
 from typing import Any
 
+from kvpush.apps.cliutil import log_level, port, positive_float
+
 from .proxy_http import (
     TIMINGS_TOKEN_ENV,
     ClientError,
@@ -127,7 +129,7 @@ def _expand(values: list[Any] | None, n: int, default: Any, name: str) -> list[A
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     parser.add_argument(
         "--prefill",
         action="append",
@@ -162,9 +164,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill-tp-size", action="append", type=int)
     parser.add_argument("--prefill-pp-size", action="append", type=int)
-    parser.add_argument("--connect-timeout", type=float, default=5.0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--connect-timeout", type=positive_float, default=5.0)
+    parser.add_argument("--request-timeout", type=positive_float, default=600.0)
+    parser.add_argument("--log-level", type=log_level, default="WARNING")
     d = ProxyConfig(prefill=[], decode=[])
     limits = parser.add_argument_group("client-facing limits (SECURITY.md, 'The proxy')")
     limits.add_argument(

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpush.apps.cliutil import port, positive_int
 from kvpush.apps.ports import free_port_range
 
 CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
@@ -386,10 +387,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connector", choices=CONNECTORS, default="kvpush")
     parser.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
     parser.add_argument("--variant", default="realistic", help="tiny model variant: fast | realistic | ...")
-    parser.add_argument("--port", type=int, default=8000, help="proxy port")
+    parser.add_argument("--port", type=port, default=8000, help="proxy port")
     parser.add_argument("--prefill-cores", default="0")
     parser.add_argument("--decode-cores", default="1")
-    parser.add_argument("--max-model-len", type=int, default=16384)
+    parser.add_argument("--max-model-len", type=positive_int, default=16384)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--log-dir", default="out/serve-pd")
     parser.add_argument(

@@ -40,6 +40,7 @@ locals {
     accelerator_count     = local.profile.accelerator_count
     efa_expected          = local.profile.network_cards
     efa_installer_version = var.efa_installer_version
+    efa_installer_sha256  = var.efa_installer_sha256
     efa_disable_huge_page = var.efa_disable_huge_pages
     model                 = var.model
     tp_size               = local.tp_size

@@ -96,9 +96,9 @@ variable "enable_ssm" {
 }
 
 variable "assign_public_ips" {
-  description = "Give every node a public address (an Elastic IP on the primary interface of the accelerated nodes, which cannot get an automatic one). Needs a subnet routed to an internet gateway."
+  description = "Give every node a public address (an Elastic IP on the primary interface of the accelerated nodes, which cannot get an automatic one). Needs a subnet routed to an internet gateway. Off by default: reach the nodes with SSM Session Manager."
   type        = bool
-  default     = true
+  default     = false
 }
 
 variable "allow_internet_egress" {
@@ -238,9 +238,13 @@ variable "kvpush_repo_url" {
 }
 
 variable "kvpush_ref" {
-  description = "Branch, tag or commit of kvpush to check out on the nodes."
+  description = "Release tag (v0.1.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
   type        = string
-  default     = "main"
+
+  validation {
+    condition     = can(regex("^(v[0-9]+\\.[0-9]+\\.[0-9]+([-+][0-9A-Za-z.-]+)?|[0-9a-f]{40})$", var.kvpush_ref))
+    error_message = "The kvpush_ref must be a release tag such as \"v0.1.0\" or a full 40-character commit, not a branch."
+  }
 }
 
 variable "vllm_pip_spec" {
@@ -253,6 +257,17 @@ variable "vllm_neuron_pip_spec" {
   description = "pip requirement for vLLM on Trainium, used only when the Neuron DLAMI has no vLLM virtualenv of its own."
   type        = string
   default     = "vllm-neuron"
+}
+
+variable "efa_installer_sha256" {
+  description = "SHA-256 of aws-efa-installer-<efa_installer_version>.tar.gz, as AWS publishes it. A node whose AMI lacks EFA downloads the installer and runs it as root only if it matches; empty: such a node refuses to install it (the DLAMIs ship EFA, so this is needed only with another AMI)."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = var.efa_installer_sha256 == "" || can(regex("^[0-9a-f]{64}$", var.efa_installer_sha256))
+    error_message = "The efa_installer_sha256 must be empty or 64 lowercase hex digits."
+  }
 }
 
 variable "efa_installer_version" {

@@ -1,6 +1,8 @@
-# One VPC, one subnet in one AZ. A new VPC gets an internet gateway and a public route so that the
-# nodes can install packages; the nodes themselves get no automatic public address (instances with
-# several network interfaces cannot), the cluster module attaches Elastic IPs where asked.
+# One VPC, one cluster subnet in one AZ. The nodes get no automatic public address (instances with
+# several network interfaces cannot). By default (nat_gateway = true) the cluster subnet is private: its
+# default route goes to a NAT gateway in a small public subnet, so the nodes can install packages and
+# reach SSM without any public address of their own. With nat_gateway = false the cluster subnet routes
+# straight to the internet gateway, for nodes the cluster module gives Elastic IPs.
 
 locals {
   existing_ids_given = var.existing_vpc_id != "" && var.existing_subnet_id != ""
@@ -64,7 +66,59 @@ resource "aws_route" "internet" {
 
   route_table_id         = aws_route_table.cluster[0].id
   destination_cidr_block = "0.0.0.0/0"
+  gateway_id             = var.nat_gateway ? null : aws_internet_gateway.this[0].id
+  nat_gateway_id         = var.nat_gateway ? aws_nat_gateway.this[0].id : null
+}
+
+# The NAT gateway's own subnet: only the NAT gateway lives here.
+resource "aws_subnet" "nat" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  vpc_id                  = aws_vpc.this[0].id
+  cidr_block              = var.nat_subnet_cidr
+  availability_zone       = var.availability_zone
+  map_public_ip_on_launch = false
+
+  tags = merge(var.tags, { Name = "${var.name}-nat" })
+}
+
+resource "aws_route_table" "nat" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  vpc_id = aws_vpc.this[0].id
+  tags   = merge(var.tags, { Name = "${var.name}-nat" })
+}
+
+resource "aws_route" "nat_internet" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  route_table_id         = aws_route_table.nat[0].id
+  destination_cidr_block = "0.0.0.0/0"
   gateway_id             = aws_internet_gateway.this[0].id
+}
+
+resource "aws_route_table_association" "nat" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  subnet_id      = aws_subnet.nat[0].id
+  route_table_id = aws_route_table.nat[0].id
+}
+
+resource "aws_eip" "nat" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  domain = "vpc"
+  tags   = merge(var.tags, { Name = "${var.name}-nat" })
+}
+
+resource "aws_nat_gateway" "this" {
+  count = var.create_vpc && var.nat_gateway ? 1 : 0
+
+  allocation_id = aws_eip.nat[0].id
+  subnet_id     = aws_subnet.nat[0].id
+  tags          = merge(var.tags, { Name = "${var.name}-nat" })
+
+  depends_on = [aws_internet_gateway.this]
 }
 
 resource "aws_route_table_association" "cluster" {

@@ -14,6 +14,6 @@ output "availability_zone" {
 }
 
 output "has_internet_gateway" {
-  description = "Whether this module created an internet gateway route (so Elastic IPs on the nodes are reachable)."
-  value       = var.create_vpc
+  description = "Whether the cluster subnet routes straight to an internet gateway this module created (so Elastic IPs on the nodes are reachable)."
+  value       = var.create_vpc && !var.nat_gateway
 }

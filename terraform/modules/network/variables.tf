@@ -51,6 +51,23 @@ variable "subnet_cidr" {
   }
 }
 
+variable "nat_gateway" {
+  description = "Keep the cluster subnet private and give it internet egress through a NAT gateway (create_vpc = true). false: route the cluster subnet straight to the internet gateway (for nodes with Elastic IPs)."
+  type        = bool
+  default     = true
+}
+
+variable "nat_subnet_cidr" {
+  description = "CIDR block of the small public subnet that holds the NAT gateway (create_vpc and nat_gateway); inside vpc_cidr, outside subnet_cidr."
+  type        = string
+  default     = "10.42.255.0/28"
+
+  validation {
+    condition     = can(cidrhost(var.nat_subnet_cidr, 0))
+    error_message = "The nat_subnet_cidr must be a valid IPv4 CIDR block, e.g. \"10.42.255.0/28\"."
+  }
+}
+
 variable "existing_vpc_id" {
   description = "VPC to use when create_vpc = false."
   type        = string

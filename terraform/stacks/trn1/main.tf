@@ -28,6 +28,7 @@ module "network" {
   create_vpc         = var.existing_subnet_id == ""
   existing_vpc_id    = var.existing_vpc_id
   existing_subnet_id = var.existing_subnet_id
+  nat_gateway        = !var.public_ips
   tags               = var.tags
 }
 
@@ -43,7 +44,7 @@ module "cluster" {
   decode_count      = var.decode_count
   client_cidrs      = var.client_cidrs
   ssh_key_name      = var.ssh_key_name
-  assign_public_ips = module.network.has_internet_gateway
+  assign_public_ips = var.public_ips && module.network.has_internet_gateway
   capacity          = var.capacity
 
   existing_placement_group = var.existing_placement_group
@@ -52,6 +53,8 @@ module "cluster" {
   tp_size         = var.tp_size
   kvpush_repo_url = var.kvpush_repo_url
   kvpush_ref      = var.kvpush_ref
-  results_bucket  = var.results_bucket
-  tags            = var.tags
+
+  efa_installer_sha256 = var.efa_installer_sha256
+  results_bucket       = var.results_bucket
+  tags                 = var.tags
 }

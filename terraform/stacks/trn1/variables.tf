@@ -96,9 +96,13 @@ variable "kvpush_repo_url" {
 }
 
 variable "kvpush_ref" {
-  description = "Branch, tag or commit of kvpush."
+  description = "Release tag (v0.1.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
   type        = string
-  default     = "main"
+
+  validation {
+    condition     = can(regex("^(v[0-9]+\\.[0-9]+\\.[0-9]+([-+][0-9A-Za-z.-]+)?|[0-9a-f]{40})$", var.kvpush_ref))
+    error_message = "The kvpush_ref must be a release tag such as \"v0.1.0\" or a full 40-character commit, not a branch."
+  }
 }
 
 variable "results_bucket" {
@@ -111,4 +115,21 @@ variable "tags" {
   description = "Extra tags on every resource."
   type        = map(string)
   default     = {}
+}
+
+variable "public_ips" {
+  description = "Give the nodes public addresses (Elastic IPs on the accelerated nodes). Off by default: nodes are private, reached with SSM Session Manager, and reach the internet through a NAT gateway."
+  type        = bool
+  default     = false
+}
+
+variable "efa_installer_sha256" {
+  description = "SHA-256 of aws-efa-installer-<efa_installer_version>.tar.gz, as AWS publishes it. A node whose AMI lacks EFA downloads the installer and runs it as root only if it matches; empty: such a node refuses to install it (the DLAMIs ship EFA, so this is needed only with another AMI)."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = var.efa_installer_sha256 == "" || can(regex("^[0-9a-f]{64}$", var.efa_installer_sha256))
+    error_message = "The efa_installer_sha256 must be empty or 64 lowercase hex digits."
+  }
 }

@@ -4,7 +4,7 @@ terraform {
   required_providers {
     aws = {
       source  = "hashicorp/aws"
-      version = ">= 5.74.0, < 7.0.0"
+      version = ">= 5.74.0, < 6.0.0"
     }
   }
 }

@@ -22,6 +22,7 @@ variables {
   subnet_id       = "subnet-0123456789abcdef0"
   client_cidrs    = ["203.0.113.10/32"]
   kvpush_repo_url = "https://github.com/your-org/kvpush.git"
+  kvpush_ref      = "v0.1.0"
 }
 
 run "p5en_interfaces_follow_network_cards" {
@@ -166,4 +167,51 @@ run "rejects_reservation_without_id" {
   }
 
   expect_failures = [var.capacity]
+}
+
+run "nodes_are_private_by_default" {
+  command = plan
+
+  assert {
+    condition     = length(aws_eip.accelerated) == 0
+    error_message = "No Elastic IP on the nodes unless assign_public_ips is set."
+  }
+
+  assert {
+    condition     = alltrue([for ni in aws_launch_template.proxy[0].network_interfaces : ni.associate_public_ip_address == "false"])
+    error_message = "The proxy node gets no public address unless assign_public_ips is set."
+  }
+}
+
+run "public_ips_only_when_asked" {
+  command = plan
+
+  variables {
+    assign_public_ips = true
+  }
+
+  assert {
+    condition     = length(aws_eip.accelerated) == 2
+    error_message = "assign_public_ips = true gives each accelerated node an Elastic IP."
+  }
+}
+
+run "a_branch_is_refused_as_kvpush_ref" {
+  command = plan
+
+  variables {
+    kvpush_ref = "main"
+  }
+
+  expect_failures = [var.kvpush_ref]
+}
+
+run "a_malformed_efa_installer_checksum_is_refused" {
+  command = plan
+
+  variables {
+    efa_installer_sha256 = "not-a-checksum"
+  }
+
+  expect_failures = [var.efa_installer_sha256]
 }
