@@ -16,10 +16,12 @@ import datetime as _dt
 import json
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .cluster_aws import ClusterError, aws_call, aws_pages, aws_session
 
 TAG_CLUSTER = "kvpush:cluster"
 TAG_ROLE = "kvpush:role"
@@ -52,10 +54,6 @@ PROFILES: dict[str, InstanceProfile] = {
     "trn1n.32xlarge": InstanceProfile(16, "neuron", 16, 32, "cuda"),
     "trn2.48xlarge": InstanceProfile(16, "neuron", 16, 64, "cuda"),
 }
-
-
-class ClusterError(Exception):
-    """A condition the user must fix before the command can run; the message is the whole story."""
 
 
 @dataclass(frozen=True)
@@ -97,89 +95,13 @@ class TypeFacts:
     max_efa_interfaces: int
 
 
-# ---------------------------------------------------------------------------------------------------
-# AWS access: the only functions that talk to the API. Errors from botocore become ClusterError here.
-
-
-def _session(region: str | None, profile: str | None) -> Any:
-    import boto3
-    import botocore.exceptions
-
-    try:
-        session = boto3.Session(profile_name=profile)
-    except botocore.exceptions.ProfileNotFound as exc:
-        raise ClusterError(f"AWS profile {profile!r} not found in your AWS config files") from exc
-    region = region or session.region_name
-    if not region:
-        raise ClusterError("no AWS region: pass --region (the stack's `region` variable) or set AWS_REGION")
-    known = (
-        set(session.get_available_regions("ec2"))
-        | set(session.get_available_regions("ec2", partition_name="aws-us-gov"))
-        | set(session.get_available_regions("ec2", partition_name="aws-cn"))
-    )
-    if region not in known:
-        raise ClusterError(f"unknown AWS region {region!r}: pass a Region name such as us-east-2, not an AZ")
-    if session.get_credentials() is None:
-        raise ClusterError(
-            "no AWS credentials found: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "or run on a cluster node (its instance role can describe the cluster)"
-        )
-    return boto3.Session(profile_name=profile, region_name=region)
-
-
-def _translate(exc: Exception, region: str) -> ClusterError:
-    import botocore.exceptions
-
-    if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
-        return ClusterError(
-            "no usable AWS credentials: set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
-        )
-    if isinstance(exc, botocore.exceptions.EndpointConnectionError):
-        return ClusterError(
-            f"cannot reach the EC2 endpoint of region {region!r}: check the region and your network"
-        )
-    if isinstance(exc, botocore.exceptions.ClientError):
-        code = exc.response.get("Error", {}).get("Code", "")
-        message = exc.response.get("Error", {}).get("Message", str(exc))
-        if code in ("AuthFailure", "UnrecognizedClientException", "InvalidClientTokenId", "ExpiredToken"):
-            return ClusterError(f"AWS rejected the credentials ({code}): refresh them (e.g. `aws sso login`)")
-        if code in ("UnauthorizedOperation", "AccessDenied", "AccessDeniedException"):
-            return ClusterError(f"not allowed: {message}")
-        if code == "NoSuchBucket":
-            return ClusterError(f"S3 bucket does not exist: {message}")
-        return ClusterError(f"AWS error {code}: {message}")
-    return ClusterError(str(exc))
-
-
-def _call(region: str, fn: Any, **kwargs: Any) -> Any:
-    import boto3.exceptions
-    import botocore.exceptions
-
-    try:
-        return fn(**kwargs)
-    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-        raise _translate(exc, region) from exc
-    except boto3.exceptions.S3UploadFailedError as exc:
-        # upload_file wraps the ClientError; its text already names the bucket and the reason.
-        raise ClusterError(f"S3 upload failed: {exc}") from exc
-
-
-def _pages(region: str, client: Any, operation: str, **kwargs: Any) -> Iterable[dict[str, Any]]:
-    import botocore.exceptions
-
-    try:
-        yield from client.get_paginator(operation).paginate(**kwargs)
-    except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
-        raise _translate(exc, region) from exc
-
-
 def find_nodes(session: Any, cluster: str, include_stopped: bool = True) -> list[Node]:
     """Every instance tagged kvpush:cluster=<cluster> and not terminated, with its interfaces."""
     region = session.region_name
     ec2 = session.client("ec2")
     states = list(LIVE_STATES) if include_stopped else ["pending", "running"]
     instances: list[dict[str, Any]] = []
-    for page in _pages(
+    for page in aws_pages(
         region,
         ec2,
         "describe_instances",
@@ -194,7 +116,7 @@ def find_nodes(session: Any, cluster: str, include_stopped: bool = True) -> list
         return []
 
     interfaces: dict[str, list[Interface]] = {}
-    for page in _pages(
+    for page in aws_pages(
         region,
         ec2,
         "describe_network_interfaces",
@@ -248,7 +170,9 @@ def describe_types(session: Any, instance_types: Sequence[str]) -> dict[str, Typ
     if not instance_types:
         return {}
     ec2 = session.client("ec2")
-    reply = _call(session.region_name, ec2.describe_instance_types, InstanceTypes=sorted(set(instance_types)))
+    reply = aws_call(
+        session.region_name, ec2.describe_instance_types, InstanceTypes=sorted(set(instance_types))
+    )
     facts = {}
     for item in reply.get("InstanceTypes", []):
         network = item.get("NetworkInfo", {})
@@ -457,7 +381,7 @@ def _run(args: argparse.Namespace) -> int:
         return _upload(args)
     if not args.name:
         raise ClusterError("no cluster name: pass --name (the stack's `name` variable) or set KVPUSH_CLUSTER")
-    session = _session(args.region, args.profile)
+    session = aws_session(args.region, args.profile)
     nodes = find_nodes(session, args.name)
     if not nodes:
         raise ClusterError(
@@ -504,12 +428,12 @@ def _upload(args: argparse.Namespace) -> int:
         raise ClusterError("no bucket: pass --bucket or set KVPUSH_RESULTS_BUCKET")
     if not args.prefix and not args.name:
         raise ClusterError("no key prefix: pass --prefix, or --name for the default kvpush/<cluster>/<time>")
-    session = _session(args.region, args.profile)
+    session = aws_session(args.region, args.profile)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     prefix = (args.prefix or f"kvpush/{args.name}/{stamp}").strip("/")
     s3 = session.client("s3")
     for path in files:
         key = f"{prefix}/{path.relative_to(results).as_posix()}"
-        _call(session.region_name, s3.upload_file, Filename=str(path), Bucket=args.bucket, Key=key)
+        aws_call(session.region_name, s3.upload_file, Filename=str(path), Bucket=args.bucket, Key=key)
     print(f"uploaded {len(files)} files to s3://{args.bucket}/{prefix}/")
     return 0
