@@ -14,6 +14,7 @@ Used by tests/vllm/test_disconnect_stress.py (a few waves in CI) and from the co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import socket
@@ -43,6 +44,7 @@ class Wave:
     index: int
     closed_after_s: list[float]
     settled_s: float | None = None  # None: still holding at the bound
+    peak_decode_kv: float = 0.0  # the decode's highest KV usage while the clients were connected
     state: dict[str, Any] = field(default_factory=dict)  # both sides' state when it settled or gave up
 
 
@@ -123,9 +125,16 @@ def run_wave(
         t = threading.Thread(target=_send_and_hang_up, args=(target.proxy, body, close_after), daemon=True)
         t.start()
         threads.append(t)
-    for t in threads:
-        t.join(30)
     wave = Wave(index, closes)
+    deadline = time.monotonic() + 30
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        # the decode must really hold blocks for these requests, or the wave tests nothing
+        try:
+            kv = engine_state(target.decode)["kv_usage"]
+        except (OSError, urllib.error.URLError):
+            kv = 0.0
+        wave.peak_decode_kv = max(wave.peak_decode_kv, kv)
+        time.sleep(0.05)
     t0 = time.monotonic()
     while True:
         snap = state(target)
@@ -163,16 +172,7 @@ def run_waves(
         )
         out.append(wave)
         if log is not None:
-            log(
-                json.dumps(
-                    {
-                        "wave": i,
-                        "settled_s": wave.settled_s,
-                        "closed_after_s": wave.closed_after_s,
-                        "state": wave.state,
-                    }
-                )
-            )
+            log(json.dumps(dataclasses.asdict(wave)))
         if stop_on_hold and wave.settled_s is None:
             break
     return out
