@@ -204,7 +204,7 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
     assert len(client.complete(pd.url, model, "import os", 4)) == 4
 
 
-# waves of 8 early disconnects in CI (about 10 s each on 2 cores); KVPUSH_STRESS_WAVES=10 for a longer run,
+# waves of 8 early disconnects in CI (a few seconds each on 2 cores); KVPUSH_STRESS_WAVES=10 for a longer run,
 # or `python -m kvpush.platforms.vllm.tools.disconnect_stress --waves 50` on a pair of its own
 STRESS_WAVES = int(os.environ.get("KVPUSH_STRESS_WAVES", "3"))
 
