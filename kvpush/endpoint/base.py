@@ -132,6 +132,12 @@ class EndpointThread(TransferThread, Generic[R]):
     def init_role(self) -> None:
         """The role's own state (its state machine and maps), built at the end of __init__."""
 
+    def describe(self, request_id: str) -> str:
+        """Where the role's state machine stands on request_id, in words, for a log line about a request
+        held too long. Called from the engine thread: the roles read with single lookups (racy, never
+        raising), so the answer may be a moment old."""
+        return ""
+
     def setup_transport(self) -> tuple[Transport, Hello]:
         src = self._transport_source
         if src is None:
@@ -237,6 +243,10 @@ class Endpoint(Generic[R]):
             return got
         self._worker.result_event.wait(timeout)
         return self.finished()
+
+    def describe(self, request_id: str) -> str:
+        """Where the transfer thread's state machine stands on request_id, in words (for logs)."""
+        return self._worker.describe(request_id)
 
     def stats(self) -> dict[str, int]:
         out: dict[str, int] = self._worker.ledger.snapshot()

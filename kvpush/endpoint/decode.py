@@ -86,6 +86,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
             config.leases.ready_timeout_s,
             config.leases.write_bound_s,
             gone_linger_s=config.leases.write_linger_s,
+            abort_resend_s=config.liveness.ping_interval_s,
         )
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
         # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
@@ -114,6 +115,9 @@ class ReceiveThread(EndpointThread[RecvResult]):
 
     def tracked(self) -> int:
         return len(self.state)
+
+    def describe(self, request_id: str) -> str:
+        return self.state.describe(request_id, time.monotonic())
 
     def step(self, now: float) -> bool:
         did = False
@@ -282,15 +286,20 @@ class ReceiveThread(EndpointThread[RecvResult]):
         if address is None:
             return []
         peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
+        repeat = isinstance(act, SendAbort) and act.repeat
         if peer.session is None:
+            if repeat:
+                return []  # a resend: the next one goes out once the handshake is done
             if len(peer.backlog) >= MAX_BACKLOG:
                 why = "too many messages wait for its handshake"
                 return self._failed_send(act.message, act.prefill_rank, why, Failure.REFUSED)
             peer.backlog.append(act.message)
             return []
-        return self._send_now(peer, act.message)
+        return self._send_now(peer, act.message, repeat)
 
-    def _send_now(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+    def _send_now(
+        self, peer: PrefillPeer, msg: Registration | Abort, repeat: bool = False
+    ) -> list[ReceiverAction]:
         assert peer.session is not None
         if isinstance(msg, Registration):
             # our expiry in the prefill's clock: the offset never overstates the prefill's clock, so the
@@ -301,6 +310,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         try:
             peer.channel.send(peer.session.seal(msg))
         except (TransportError, WireError) as exc:
+            if repeat:  # the first Abort went out; a failed repeat proves nothing about the WRITEs
+                return []
             return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
         return []
 

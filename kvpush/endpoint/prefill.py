@@ -119,6 +119,17 @@ class PushThread(EndpointThread[SendResult]):
     def tracked(self) -> int:
         return len(self.state)
 
+    def describe(self, request_id: str) -> str:
+        try:
+            ranks = self.state.rank_states(request_id)
+        except RuntimeError:  # the transfer thread replaced the table mid-read: say so, never raise
+            return "the endpoint is changing its state"
+        if not ranks:
+            if request_id in self.state.pending():
+                return "no registration from the decode yet"
+            return "the endpoint no longer tracks it"
+        return ", ".join(f"decode rank {d} {s.value}" for d, s in sorted(ranks.items()))
+
     # ---- the loop -----------------------------------------------------------------------------
     def step(self, now: float) -> bool:
         did = False

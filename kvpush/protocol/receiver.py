@@ -37,6 +37,7 @@ class SendRegistration:
 class SendAbort:
     prefill_rank: int
     message: Abort
+    repeat: bool = False  # a resend (the rank has not answered the first): failing to send it settles nothing
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ class _Attempt:
     nbytes: int = 0
     # gone prefill rank -> when bytes it sent before it died have surely landed (see on_peer_gone)
     lingering: dict[int, float] = field(default_factory=dict)
+    abort_sent_at: float = 0.0  # when the ranks were last told the attempt ended (see abort_resend_s)
 
     def unsettled(self) -> list[int]:
         return sorted(
@@ -165,10 +167,13 @@ class ReceiverState:
         write_bound_s: float,
         max_remembered: int = 1 << 16,
         gone_linger_s: float = 0.0,
+        abort_resend_s: float = 0.0,
     ) -> None:
         """write_bound_s: the prefill's WRITE timeout plus the linger of an abandoned WRITE (config).
         gone_linger_s: how long after a prefill rank is proven gone bytes it had sent may still land (the
-        config's write_linger_s)."""
+        config's write_linger_s). abort_resend_s: an ending attempt tells a rank that has not answered
+        again this often (0: never), so a lost Abort or a lost answer to it costs one interval, not the
+        wait until the fence."""
         self.engine_id = engine_id
         self.rank = decode_rank
         self.tp = decode_tp
@@ -177,6 +182,7 @@ class ReceiverState:
         self.write_bound_s = write_bound_s
         self.max_remembered = max_remembered
         self.gone_linger_s = gone_linger_s
+        self.abort_resend_s = abort_resend_s
         self._live: dict[tuple[str, int], _Attempt] = {}
         self._current: dict[str, int] = {}  # request -> newest attempt
         # request -> next attempt number, for requests no longer live: bounded, oldest forgotten first
@@ -190,6 +196,17 @@ class ReceiverState:
     def tracks(self, request_id: str) -> bool:
         """True while any attempt of request_id is still live (waiting or settling)."""
         return any(rid == request_id for rid, _attempt in self._live)
+
+    def describe(self, request_id: str, now: float) -> str:
+        """The current attempt's phase, each owed prefill rank's state and the time to its fence, in words
+        (for a log line; single lookups and a copy of a small dict, so another thread may call it)."""
+        attempt = self._current.get(request_id)
+        att = self._live.get((request_id, attempt)) if attempt is not None else None
+        if att is None:
+            return "the endpoint no longer tracks it"
+        ranks = ", ".join(f"prefill rank {r} {s.value}" for r, s in sorted(dict(att.senders).items()))
+        why = f" ({att.reason})" if att.reason else ""
+        return f"attempt {att.attempt} {att.phase.value}{why}; {ranks}; fence in {att.fence_at - now:.1f}s"
 
     def waiting(self) -> int:
         return sum(1 for a in self._live.values() if a.phase is RecvPhase.WAITING)
@@ -328,6 +345,8 @@ class ReceiverState:
                     del att.lingering[rank]
                     att.move(rank, RecvEvent.GONE)
                     actions += self._settle(att)
+            if (att.request_id, att.attempt) in self._live:
+                actions += self._resend_abort(att, now)
             if now < att.deadline or (att.request_id, att.attempt) not in self._live:
                 continue
             if att.phase is RecvPhase.WAITING:
@@ -384,14 +403,38 @@ class ReceiverState:
         if att.phase is RecvPhase.ENDING:
             return []
         att.phase, att.reason, att.kind = RecvPhase.ENDING, reason, kind
-        msg = Abort(
+        att.abort_sent_at = now
+        return [SendAbort(p, self._abort_message(att)) for p in att.unsettled()]
+
+    def _abort_message(self, att: _Attempt) -> Abort:
+        return Abort(
             request_id=att.request_id,
             attempt=att.attempt,
             decode_engine_id=self.engine_id,
             decode_rank=self.rank,
-            reason=reason,
+            reason=att.reason,
         )
-        return [SendAbort(p, msg) for p in att.unsettled()]
+
+    def _resend_abort(self, att: _Attempt, now: float) -> list[ReceiverAction]:
+        """An ending attempt whose ranks have not answered tells them again. The prefill answers every Abort
+        (a rank mid-WRITE by the WRITE's outcome), and its answer says no WRITE of the attempt can still
+        land, so a repeat is safe; it only bounds a lost message to one interval instead of the fence.
+        Ranks that gave up on a WRITE (abandoned, or lingering after death) wait for the fence whatever
+        the prefill says, so they are not asked."""
+        if att.phase is not RecvPhase.ENDING or self.abort_resend_s <= 0:
+            return []
+        if now - att.abort_sent_at < self.abort_resend_s:
+            return []
+        ranks = [
+            p
+            for p, st in sorted(att.senders.items())
+            if st is PrefillRankState.EXPECTED and p not in att.lingering
+        ]
+        if not ranks:
+            return []
+        att.abort_sent_at = now
+        msg = self._abort_message(att)
+        return [SendAbort(p, msg, repeat=True) for p in ranks]
 
     def _settle(self, att: _Attempt) -> list[ReceiverAction]:
         if att.unsettled():

@@ -26,6 +26,7 @@ from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
 from .layout_probe import expand_blocks
+from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
 from .worker_common import WorkerBase
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
     from .params import ConnectorSettings
 
 log = logging.getLogger("kvpush.vllm")
+
+# beyond the protocol's own bound: the transfer thread's tick and one engine step
+OVERDUE_SLACK_S = 2.0
 
 
 @dataclass
@@ -64,6 +68,10 @@ class DecodeWorker(WorkerBase):
         self.recv_failed = 0
         self.recv_bytes = 0
         self.ready_s: list[float] = []
+        leases = settings.config.leases
+        # the longest an expected request can live by the protocol: its registration's fence (ready
+        # deadline + the WRITE bound), plus a moment for the result to reach an engine step
+        self.overdue = OverdueCheck("decode", leases.ready_timeout_s + leases.write_bound_s + OVERDUE_SLACK_S)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         cache = self.probe(kv_caches)
@@ -172,8 +180,30 @@ class DecodeWorker(WorkerBase):
                     failed.add(rec.req_id)
                     self.legacy_failed_blocks.update(rec.block_ids)
                     log.warning("kvpush: KV for %s did not arrive: %s", rec.req_id, r.reason)
+        self.check_overdue(time.monotonic())
         self.publish_stats(news)
         return set(), recving, failed
+
+    def check_overdue(self, now: float) -> list[Held]:
+        """Name every request held past its bound (rate limited; see overdue.py)."""
+        if not self.by_key or not self.overdue.due(now):
+            return []
+        endpoint = self.endpoint
+        held = [
+            Held(
+                rec.key,
+                rec.req_id,
+                rec.expected_at,
+                (
+                    "aborted by vLLM, waiting for the prefill to confirm"
+                    if rec.aborted
+                    else "waiting for its KV"
+                )
+                + f"; endpoint: {endpoint.describe(rec.key) if endpoint is not None else 'closed'}",
+            )
+            for rec in self.by_key.values()
+        ]
+        return self.overdue.check(held, now)
 
     def take_legacy_failed_blocks(self, supports_failed_recving: bool) -> set[int]:
         """Only for vLLM without failed_recving: a failed request's blocks are all invalid."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import PrefillEndpoint, SendResult
 
 from .layout_probe import expand_blocks
+from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
 from .worker_common import WorkerBase
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from .params import ConnectorSettings
 
 log = logging.getLogger("kvpush.vllm")
+
+# beyond the protocol's own bound: the transfer thread's tick and one engine step
+OVERDUE_SLACK_S = 2.0
 
 
 @dataclass
@@ -49,6 +53,10 @@ class PrefillWorker(WorkerBase):
         self.sent_failed = 0
         self.send_bytes = 0
         self.push_s: list[float] = []
+        leases = settings.config.leases
+        # the longest the protocol lets the push thread keep a handed-over prompt: its lease (waiting for
+        # the registration), then a WRITE to its timeout and linger, plus a moment to reach an engine step
+        self.overdue = OverdueCheck("prefill", leases.lease_s + leases.write_bound_s + OVERDUE_SLACK_S)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         cache = self.probe(kv_caches)
@@ -125,8 +133,28 @@ class PrefillWorker(WorkerBase):
                 sending.add(rid)
                 del self.by_req[rid]
                 news = True
+        self.check_overdue(time.monotonic())
         self.publish_stats(news)
         return sending, set(), set()
+
+    def check_overdue(self, now: float) -> list[Held]:
+        """Name every prompt the push thread still holds past its bound (rate limited; see overdue.py).
+        A request whose push is over but which vLLM is still running (generating on the prefill) is
+        vLLM's to finish, not held by kvpush, and is not counted."""
+        if not self.by_key or not self.overdue.due(now):
+            return []
+        endpoint = self.endpoint
+        held = [
+            Held(
+                rec.key,
+                rec.req_id,
+                rec.handed_at,
+                ("finished in vLLM" if rec.finished_in_vllm else "still running in vLLM")
+                + f"; endpoint: {endpoint.describe(rec.key) if endpoint is not None else 'closed'}",
+            )
+            for rec in self.by_key.values()
+        ]
+        return self.overdue.check(held, now)
 
     # ---- stats -------------------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:
