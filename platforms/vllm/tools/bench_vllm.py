@@ -25,8 +25,8 @@ from kvpush.apps.procstat import thread_run_ns
 
 from . import client
 from .serve_pd import CONNECTORS, Deployment, start_pd
-from .vllm_router import ROUTERS
 from .vllm_bench import bench_serve_argv, run_bench_serve
+from .vllm_router import ROUTERS
 
 CLK = os.sysconf("SC_CLK_TCK")
 
