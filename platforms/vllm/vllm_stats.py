@@ -19,6 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The names vLLM's /metrics shows (prometheus_client adds _total to counters); docs/metrics.md lists them.
+from .metric_names import PROM_BYTES, PROM_REQUESTS, PROM_SECONDS, PROM_STARTED
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
@@ -46,11 +49,6 @@ BYTES = {"prefill": "send_bytes", "decode": "recv_bytes"}
 LATENCIES = {"prefill": "push_s", "decode": "ready_s"}
 MAX_LATENCIES = 4096  # per report: a bound on what one step ships, not on what is counted
 
-# The names vLLM's /metrics shows (prometheus_client adds _total to counters); docs/metrics.md lists them.
-PROM_REQUESTS = "vllm:kvpush_requests"
-PROM_STARTED = "vllm:kvpush_started"
-PROM_BYTES = "vllm:kvpush_bytes"
-PROM_SECONDS = "vllm:kvpush_transfer_seconds"
 PROM_BUCKETS = [0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0]
 
 
