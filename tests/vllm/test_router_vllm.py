@@ -3,7 +3,8 @@
 One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-pd-disaggregation`
 (its default `nixl` mode), a single engine as the reference. Also: kvpush's figures on vLLM's own
 /metrics (the connector-stats hooks), and a mismatched pair that never reaches the router.
-~2.5 minutes on 2 cores (two engine start-ups, a single engine, one refused decode).
+Four engine start-ups (P/D, single, one refused decode): 9 minutes measured on the shared 2-core box
+at load average ~17 (other engines running); not yet timed alone.
 """
 
 from __future__ import annotations
