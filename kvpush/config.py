@@ -248,7 +248,13 @@ class Limits(_Group, frozen=True):
 class Metrics(_Group, frozen=True):
     """The optional Prometheus HTTP endpoint (prometheus_client.start_http_server)."""
 
-    port: Annotated[int | None, Meta(description="Port of the metrics endpoint; null: off.")] = None
+    port: Annotated[
+        int | None,
+        Meta(
+            description="Base port of the metrics endpoint: rank r serves on port + r (like the side "
+            "channel), so the TP ranks of one engine never collide; null: off."
+        ),
+    ] = None
     host: Annotated[str, Meta(description="Address the metrics endpoint binds.")] = "127.0.0.1"
 
 

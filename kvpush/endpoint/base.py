@@ -204,7 +204,8 @@ class Endpoint(Generic[R]):
     def start(self) -> None:
         self._worker.start()
         if self.config.metrics.port is not None:
-            serve_metrics(self.config.metrics.host, self.config.metrics.port)
+            # one port per TP rank, as for the side channel: rank 1 of a TP=2 engine must not collide
+            serve_metrics(self.config.metrics.host, self.config.metrics.port + self.layout.tp_rank)
 
     def __enter__(self) -> Self:
         self.start()

@@ -89,6 +89,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
             abort_resend_s=config.liveness.ping_interval_s,
         )
         self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
+        self.expected_at: dict[str, float] = {}  # request -> when expect() reached this thread
         # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
         # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
         self.announced: dict[tuple[str, int], float] = {}
@@ -330,8 +331,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
         if self.announced:
             for key in [k for k in self.announced if k[0] == act.request_id]:
                 del self.announced[key]
+        expected_at = self.expected_at.get(act.request_id)
         if not self.state.tracks(act.request_id):
             self.route.pop(act.request_id, None)
+            self.expected_at.pop(act.request_id, None)
         if isinstance(act, Ready) and self.hooks is not None:
             try:
                 self.hooks.after_receive(act.request_id, act.block_ids)
@@ -344,7 +347,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
             result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
         else:
             result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now, act.kind)
-        self.ledger.finished(result.ok, failure=result.failure)
+        latency = None if expected_at is None else now - expected_at
+        self.ledger.finished(result.ok, latency, result.failure)
         self.put_result(result)
 
     # ---- commands -----------------------------------------------------------------------------
@@ -352,7 +356,9 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self, request_id: str, blocks: tuple[int, ...], num_tokens: int, prefill: PrefillAddress
     ) -> None:
         self.route[request_id] = prefill
-        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, time.monotonic()))
+        now = time.monotonic()
+        self.expected_at[request_id] = now
+        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
@@ -362,6 +368,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic()))
         if not self.state.tracks(request_id):
             self.route.pop(request_id, None)
+            self.expected_at.pop(request_id, None)
 
     def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[PrefillPeer]:
         ranks = senders_for(

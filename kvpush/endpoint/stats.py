@@ -38,6 +38,13 @@ READY_LATENCY = Histogram(
     LABELS,
     buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
 )
+# The decode waits through the prefill's queue and compute too, so its buckets reach further.
+WAIT_LATENCY = Histogram(
+    "kvpush_receive_seconds",
+    "expect (blocks registered) -> KV ready (decode side): queue + prefill + transfer",
+    LABELS,
+    buckets=(0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
+)
 
 
 class Count(enum.Enum):
@@ -126,6 +133,7 @@ class Ledger:
     def __init__(self, role: str, engine_id: str, rank: int) -> None:
         self.labels = (role, engine_id, str(rank))
         self.counters = Counters()
+        self._latency = WAIT_LATENCY if role == "decode" else READY_LATENCY
 
     def add(self, count: Count, n: int = 1) -> None:
         name = count.value
@@ -140,13 +148,14 @@ class Ledger:
             setattr(self.counters, mark.value, value)
 
     def finished(self, ok: bool, latency_s: float | None = None, failure: Failure | None = None) -> None:
-        """A request finished; a failed one is labelled by its kind (a failure without one: `unknown`)."""
+        """A request finished; a failed one is labelled by its kind (a failure without one: `unknown`).
+        latency_s: prefill_done -> WRITEs complete on a prefill, expect -> KV ready on a decode."""
         self.add(Count.OK if ok else Count.FAILED)
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:
             FAILURES.labels(*self.labels, "unknown" if failure is None else failure.value).inc()
         if ok and latency_s is not None:
-            READY_LATENCY.labels(*self.labels).observe(latency_s)
+            self._latency.labels(*self.labels).observe(latency_s)
 
     def pending(self, n: int) -> None:
         PENDING.labels(*self.labels).set(n)

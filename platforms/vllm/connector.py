@@ -25,6 +25,7 @@ from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layou
 from .prefill_scheduler import PrefillScheduler, manager_block_ids
 from .prefill_worker import PrefillWorker
 from .scheduler import KVPushConnectorMetadata
+from .vllm_stats import HAVE_HOOKS, KVPushPromMetrics, KVPushStats
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -189,6 +190,32 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(worker, DecodeWorker):
             return worker.take_legacy_failed_blocks(KVConnectorTransferResults is not None)
         return set()
+
+    # ---- vLLM's connector stats (feature-detected in vllm_stats) -------------------------------
+    def get_kv_connector_stats(self) -> Any:
+        """The worker's change since the last step; vLLM sums the ranks and shows it on its /metrics."""
+        if not HAVE_HOOKS or self._worker is None:
+            return None
+        data = self._worker.take_vllm_stats()
+        return None if data is None else KVPushStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        if not HAVE_HOOKS:
+            return None
+        return KVPushStats(data=dict(data)) if data else KVPushStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        if not HAVE_HOOKS:
+            return None
+        return KVPushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

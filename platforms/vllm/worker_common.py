@@ -14,6 +14,7 @@ from kvpush.protocol.layout import KVLayout
 from .params import ConnectorSettings
 from .probe import ProbedCache, probe_kv_caches
 from .stats import StatsPublisher, snapshot
+from .vllm_stats import DeltaTracker
 from .wake import IdleWaker
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class WorkerBase:
         self.cache: ProbedCache | None = None
         self.waker: IdleWaker | None = None
         self.stats: StatsPublisher | None = None
+        self.vllm_delta = DeltaTracker(self.role)
 
     @property
     def layout(self) -> KVLayout:
@@ -78,6 +80,10 @@ class WorkerBase:
             self.outstanding(),
             self.endpoint_stats(),
         )
+
+    def take_vllm_stats(self) -> dict[str, Any] | None:
+        """The change in this worker's counters since the last call, for vLLM's connector stats."""
+        return self.vllm_delta.take(self.counters())
 
     def publish_stats(self, news: bool = False) -> None:
         if self.stats is not None:

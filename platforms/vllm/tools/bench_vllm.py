@@ -27,6 +27,7 @@ from kvpush.apps.procstat import thread_run_ns
 from . import client
 from .serve_pd import CONNECTORS, Deployment, start_pd
 from .vllm_bench import bench_serve_argv, run_bench_serve
+from .vllm_router import ROUTERS
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -235,6 +236,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-tries", type=int, default=3)
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figures from --result-dir")
     parser.add_argument("--warmup-timeout", type=float, default=60.0)
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="kvpush",
+        help="what the load goes through: kvpush's proxy (the benchmark's instrument: it records prefill "
+        "answered -> first token) or vLLM's vllm-router (no such timings)",
+    )
 
 
 def _words_for_tokens(n: int) -> int:
@@ -306,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
                 prefill_env=env,
                 decode_env=env,
                 confine_engines=not args.no_confine,
+                router=args.router,
             )
             try:
                 warm = _warm_up(dep.url, model, args.warmup_tries, args.warmup_timeout)

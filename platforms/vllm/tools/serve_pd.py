@@ -28,6 +28,8 @@ from typing import Any
 from kvpush.apps.cliutil import port, positive_int
 from kvpush.apps.ports import free_port_range
 
+from .vllm_router import ROUTERS, router_argv
+
 CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
 _VLLM_CLASS = {"nixl-push": "NixlPushConnector", "nixl-pull": "NixlConnector"}
 
@@ -261,6 +263,7 @@ def start_pd(
     decode_block_size: int | None = None,
     pair_at_startup: bool = True,
     proxy_must_be_healthy: bool = True,
+    router: str = "kvpush",
 ) -> Deployment:
     """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
     tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
@@ -270,9 +273,14 @@ def start_pd(
     kvpush: the decode is given the prefill's address (extra config prefill_addresses), so it handshakes
     at start-up and refuses to start on a layout mismatch (pair_at_startup=False leaves that out, to
     see what the proxy's pairing check does with a mismatch), and a pairing_port the proxy checks the
-    pairing on (at its start and on /health). decode_block_size: a different block size for the decode."""
+    pairing on (at its start and on /health). decode_block_size: a different block size for the decode.
+    router: "kvpush" (the proxy) or "vllm-router" (vLLM's router, started once the engines are healthy;
+    it has no pairing check, so the decode's start-up handshake is the only one)."""
     if connector not in CONNECTORS:
         raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
+    if router not in ROUTERS:
+        raise ValueError(f"unknown router {router!r}; choose one of {', '.join(ROUTERS)}")
+    use_proxy = start_proxy and router == "kvpush"
     p_port, d_port, p_kv, d_kv = free_ports(4, span=8)
     x_port = proxy_port or free_port()
     tag = connector.replace("-", "_")
@@ -311,10 +319,10 @@ def start_pd(
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
-    timings_token = secrets.token_urlsafe(24) if start_proxy else ""
+    timings_token = secrets.token_urlsafe(24) if use_proxy else ""
     try:
         url = ""
-        if start_proxy:
+        if use_proxy:
             # The proxy binds first: engines grab ephemeral ports while starting.
             mode = "pull" if connector == "nixl-pull" else "push"
             argv = [
@@ -350,6 +358,10 @@ def start_pd(
             )
         for spec in (prefill, decode):
             wait_healthy(spec.url, procs, health_timeout_s)
+        if start_proxy and router == "vllm-router":
+            argv = router_argv(x_port, [prefill.url], [decode.url], free_port())
+            procs.append(Started("vllm-router", argv, dict(os.environ), log_dir / "vllm-router.log"))
+            url = f"http://127.0.0.1:{x_port}"
         if url:
             wait_healthy(url, procs, 60, any_answer=not proxy_must_be_healthy)
         return Deployment(connector, url, procs, [prefill, decode], timings_token)
@@ -387,7 +399,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--connector", choices=CONNECTORS, default="kvpush")
     parser.add_argument("--model", default=None, help="model directory (default: build the tiny model)")
     parser.add_argument("--variant", default="realistic", help="tiny model variant: fast | realistic | ...")
-    parser.add_argument("--port", type=port, default=8000, help="proxy port")
+    parser.add_argument("--port", type=port, default=8000, help="proxy (or router) port")
+    parser.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="kvpush",
+        help="what faces clients: kvpush's proxy, or vLLM's own vllm-router (pip install vllm-router)",
+    )
     parser.add_argument("--prefill-cores", default="0")
     parser.add_argument("--decode-cores", default="1")
     parser.add_argument("--max-model-len", type=positive_int, default=16384)
@@ -411,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
         decode_cores=args.decode_cores,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
+        router=args.router,
     )
     print(f"ready: {dep.url} (connector {args.connector}, model {model}); pids {dep.pids()}", flush=True)
     if args.exit_after_ready:

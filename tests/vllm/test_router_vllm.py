@@ -1,0 +1,139 @@
+"""Real vLLM (CPU) + real NIXL behind vLLM's own router (`vllm-router`, PyPI) instead of kvpush's proxy.
+
+One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-pd-disaggregation`
+(its default `nixl` mode), a single engine as the reference. Also: kvpush's figures on vLLM's own
+/metrics (the connector-stats hooks), and a mismatched pair that never reaches the router.
+Four engine start-ups (P/D, single, one refused decode): 9 minutes measured on the shared 2-core box
+at load average ~17 (other engines running); not yet timed alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvpush.platforms.vllm.tools import client
+from kvpush.platforms.vllm.tools.serve_pd import start_pd, start_single
+from kvpush.platforms.vllm.tools.tiny_model import build
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
+
+MAX_TOKENS = 8
+LENGTHS = [5, 60, 129, 400, 900]
+
+
+def _have_router() -> bool:
+    return (Path(sys.executable).parent / "vllm-router").is_file() or shutil.which("vllm-router") is not None
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    assert _have_router(), "vllm-router is not installed (make router-tools, or pip install vllm-router)"
+    return str(build("fast"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("router-logs")
+
+
+@pytest.fixture(scope="module")
+def pd(model: str, logs: Path):
+    stats = logs / "stats"
+    extra = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
+    dep = start_pd("kvpush", model, logs, prefill_extra=extra, decode_extra=extra, router="vllm-router")
+    dep.stats_dir = stats  # type: ignore[attr-defined]
+    yield dep
+    dep.stop()
+
+
+@pytest.fixture(scope="module")
+def single(model: str, logs: Path, pd):
+    dep = start_single(model, logs, cores="0")
+    yield dep
+    dep.stop()
+
+
+def _stats(dep, role: str) -> dict:
+    return json.loads((Path(dep.stats_dir) / f"kvpush-{role}-rank0.json").read_text())
+
+
+def _wait(pred, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.25)
+    return pred()
+
+
+def _kv_usage(url: str) -> float:
+    return client.metric(client.metrics(url), "vllm:kv_cache_usage_perc")
+
+
+def test_router_outputs_equal_a_single_engine_every_request_pushed_legs_concurrent(pd, single, model):
+    prefill, decode = pd.engines
+    prompts = client.make_prompts(10, LENGTHS, seed=5)
+    want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
+    # the first request per prefill is sequential (the router learns the prefill's identity from it)
+    first = client.complete_many(pd.url, model, prompts[:1], MAX_TOKENS, concurrency=1)
+    rest = client.complete_many(pd.url, model, prompts[1:], MAX_TOKENS, concurrency=4)
+    for i, (w, g) in enumerate(zip(want, first + rest, strict=True)):
+        assert len(w) == MAX_TOKENS and g == w, f"prompt {i}: router P/D {g} != single {w}"
+    n = len(prompts)
+    assert _wait(lambda: _stats(pd, "decode")["recv_ok"] >= n and _stats(pd, "prefill")["sent_ok"] >= n)
+    p, d = _stats(pd, "prefill"), _stats(pd, "decode")
+    # every request went through kvpush: handed off on the prefill, received on the decode, none failed
+    assert p["handoffs"] == n and p["sent_ok"] == n and p["sent_failed"] == 0
+    assert d["expects"] == n and d["recv_ok"] == n and d["recv_failed"] == 0
+    assert p["send_bytes"] == d["recv_bytes"] > 0
+    # after the first request both legs run at once: the decode's registration often beats the prefill
+    assert p["order_counts"].get("registration_first", 0) >= 1, p["order_counts"]
+    assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0), (
+        f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}"
+    )
+
+
+def test_kvpush_figures_appear_on_vllms_own_metrics(pd, model):
+    prefill, decode = pd.engines
+    client.complete_many(pd.url, model, client.make_prompts(2, [300], seed=9), 4, concurrency=2)
+
+    def figures(url: str) -> tuple[float, float, float]:
+        m = client.metrics(url)
+        return (
+            client.metric(m, "vllm:kvpush_requests_total", outcome="ok"),
+            client.metric(m, "vllm:kvpush_bytes_total"),
+            client.metric(m, "vllm:kvpush_transfer_seconds_count"),
+        )
+
+    # vLLM publishes scheduler stats to its API server on its own cadence: wait for them to catch up
+    def caught_up() -> bool:
+        p, d = _stats(pd, "prefill"), _stats(pd, "decode")
+        return figures(prefill.url)[:2] == (p["sent_ok"], p["send_bytes"]) and figures(decode.url)[:2] == (
+            d["recv_ok"],
+            d["recv_bytes"],
+        )
+
+    assert _wait(caught_up, 30), (figures(prefill.url), figures(decode.url))
+    p_ok, p_bytes, p_seconds = figures(prefill.url)
+    d_ok, d_bytes, d_seconds = figures(decode.url)
+    assert p_ok >= 2 and p_bytes == d_bytes > 0 and p_seconds == p_ok and d_seconds == d_ok
+    assert 'role="decode"' in "".join(k for k in client.metrics(decode.url) if k.startswith("vllm:kvpush"))
+
+
+def test_a_mismatched_pair_never_reaches_the_router(model, logs):
+    """vllm-router has no pairing check: the decode's start-up handshake must refuse before traffic."""
+    out = logs / "mismatch"
+    with pytest.raises(RuntimeError, match="decode exited") as err:
+        start_pd("kvpush", model, out, block_size=32, decode_block_size=64, router="vllm-router")
+    log = (out / "kvpush-decode.log").read_text(errors="replace")
+    assert "cannot receive KV from prefill" in log and "block_size=64" in log, str(err.value)[-2000:]
+    assert not (out / "vllm-router.log").exists()  # the router was never started
