@@ -174,6 +174,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
         cfg = self.config
         for peer in list(self.conns.prefills.values()):
+            self.conns.verify_closed(peer, now)
             self.conns.ping(peer, now)
             heard = max(peer.last_heard, peer.connected_at)
             if now - heard < cfg.liveness.peer_timeout_s:
@@ -181,13 +182,14 @@ class ReceiveThread(EndpointThread[RecvResult]):
             why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.liveness.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
                 self.ledger.add(Count.PEERS_GONE)
-                if peer.channel.peer_closed():
-                    why = f"it closed the side channel; {why}"
+                if self.conns.gone_for_sure(peer):
+                    why = f"it closed the side channel and nothing listens at its address; {why}"
                     self._apply(self.state.on_peer_gone(peer.rank, why, now))
                 else:
-                    # silence proves nothing: a frozen (SIGSTOPped) prefill answers nothing, and its NIXL
-                    # agent refuses notifications, yet its WRITE in flight lands once it resumes (kvpush
-                    # soak: stale writes when a refused notification counted as death). Fence-bound.
+                    # neither silence nor a closed connection proves death: a frozen (SIGSTOPped) prefill
+                    # answers nothing, a reset relay closes a live one's connection, and either's WRITE in
+                    # flight (or one posted later for a registration it still holds) lands once it goes
+                    # on (issue 16: 1,021 bytes in reused blocks after a reset). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
             self.conns.reconnect(peer, now)
 

@@ -263,7 +263,7 @@ class DecodeConnections:
             self.refuse(conn, str(exc), "refused")
             return []
         identity = (hello.engine_id, peer_layout.tp_rank)
-        in_use, events = self._identity_in_use(conn, identity, now)
+        in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
             return events
         try:
@@ -292,12 +292,26 @@ class DecodeConnections:
         self._send_raw(conn, hello_frame(self.codec, reply, self.config.security.hmac_key, echo=hello.nonce))
         return events
 
-    def _identity_in_use(self, conn: bytes, identity: Identity, now: float) -> tuple[bool, list[ConnEvent]]:
+    def _identity_in_use(
+        self, conn: bytes, identity: Identity, now: float, instance: bytes, new: _Conn | None = None
+    ) -> tuple[bool, list[ConnEvent]]:
         """Refuse (and say so) when the identity is bound to another live connection; an old one that is
-        provably gone is dropped (its requests end: the events say which)."""
+        provably gone is dropped (its requests end: the events say which). The same decode process
+        (instance) on a new connection replaced its old one (a reset closed it, it handshook again): once
+        the new connection is proven (`new`: unkeyed at its Hello, keyed at its first sealed message) it
+        takes over the old one's registrations, so a reset ends no request on this side."""
         old_conn = self.bound.get(identity)
         old = self.conns.get(old_conn) if old_conn is not None else None
         if old is None or old.conn == conn:
+            return False, []
+        if instance and old.instance == instance:
+            if new is not None:
+                self.conns.pop(old.conn, None)
+                new.regs, new.reg_bytes = old.regs, old.reg_bytes
+                log.info(
+                    "kvpush prefill: decode %s reconnected: its registrations carry over",
+                    ascii(str(identity)),
+                )
             return False, []
         if self._provably_gone(old, now):
             return False, self._drop(old, "a new handshake replaced it")
@@ -320,7 +334,7 @@ class DecodeConnections:
         """The connection's identity is proven (unkeyed: at its Hello; keyed: at its first sealed message):
         it is bound here, its NIXL peer and prepared lists set up, and an old connection replaced."""
         assert c.identity is not None and c.peer_layout is not None
-        in_use, events = self._identity_in_use(c.conn, c.identity, now)
+        in_use, events = self._identity_in_use(c.conn, c.identity, now, c.instance, c)
         if in_use:
             self.conns.pop(c.conn, None)
             return events
