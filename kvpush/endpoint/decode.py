@@ -44,7 +44,7 @@ from ..protocol.receiver import (
     SendAbort,
     SendRegistration,
 )
-from ..protocol.tp import senders_for
+from ..protocol.tp import check_peer_tp, senders_for
 from ..protocol.wire import (
     Abort,
     ErrorReply,
@@ -221,7 +221,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
 
     def _on_hello_reply(self, peer: PrefillPeer, msg: Hello, now: float) -> None:
         try:
-            check_peer_hello(self.layout, msg, prefill_side=False)
+            # the prefill's TP is bounded before any request's work grows with it (senders_for per expect)
+            check_peer_tp(
+                check_peer_hello(self.layout, msg, prefill_side=False), self.config.limits.max_peer_tp
+            )
         except LayoutError as exc:
             peer.error = str(exc)
             return

@@ -25,7 +25,7 @@ from ..errors import LayoutError, TransportError, WireError
 from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
-from ..protocol.tp import receivers_for
+from ..protocol.tp import check_peer_tp, receivers_for
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
 from ..transport.base import PreparedList, Transport
 from .control import ControlListener
@@ -39,8 +39,20 @@ log = logging.getLogger("kvpush")
 MAX_MESSAGES_PER_ROUND = 64
 MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; beyond: refused
 MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
+PRUNE_EVERY_S = 0.05  # at most this often, finished requests are recounted out of the pending limits
 
 Identity = tuple[str, int]  # (decode engine id, decode rank)
+
+# What one pending registration really holds on this side (the decoded message, the sender's entry and
+# ranks, the tables that index it), measured with tracemalloc (tests/endpoint/test_bounds.py): ~1,150
+# bytes plus ~40 per block id (a Python int and its list slot). Charged with headroom.
+REG_BYTES_FIXED = 2048
+REG_BYTES_PER_BLOCK = 48
+
+
+def registration_cost(msg: Registration) -> int:
+    """Bytes a pending registration is charged against the per-peer memory limit."""
+    return REG_BYTES_FIXED + REG_BYTES_PER_BLOCK * len(msg.block_ids) + len(msg.request_id)
 
 
 @dataclass(frozen=True)
@@ -139,6 +151,8 @@ class DecodeConnections:
         self.conns: dict[bytes, _Conn] = {}
         self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
         self.peers: dict[Identity, DecodePeer] = {}
+        self.total_regs = 0  # entries of every connection's regs (some may have finished since)
+        self._pruned_at = -PRUNE_EVERY_S
 
     def session(self, identity: Identity) -> Session | None:
         """The live session of the connection that decode rank is bound to."""
@@ -259,10 +273,22 @@ class DecodeConnections:
             return []
         try:
             peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
+            check_peer_tp(peer_layout, self.config.limits.max_peer_tp)
         except LayoutError as exc:
+            self.ledger.add(Count.REFUSED)
+            log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), exc)
             self.refuse(conn, str(exc), "refused")
             return []
         identity = (hello.engine_id, peer_layout.tp_rank)
+        if identity not in self.bound and len(self.bound) >= self.config.limits.max_identities:
+            self.ledger.add(Count.REFUSED)
+            why = (
+                f"this prefill rank has {len(self.bound)} decode identities bound "
+                f"(limits.max_identities {self.config.limits.max_identities}): try again later"
+            )
+            log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), why)
+            self.refuse(conn, why, "limit")
+            return []
         in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
             return events
@@ -372,7 +398,7 @@ class DecodeConnections:
         handshake declared, and this peer's limits on pending registrations and their bytes."""
         why, code = "", "refused"
         peer = self.peers.get(c.identity) if c.identity is not None else None
-        size = 8 * len(msg.block_ids) + len(msg.request_id)
+        size = registration_cost(msg)
         cfg = self.config
         if (msg.decode_engine_id, msg.decode_rank) != c.identity:
             why = f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
@@ -388,9 +414,7 @@ class DecodeConnections:
                 len(c.regs) >= cfg.limits.max_pending_per_peer
                 or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
             ):
-                live = set(self.sender.pending())
-                c.regs = {r: n for r, n in c.regs.items() if r in live}
-                c.reg_bytes = sum(c.regs.values())
+                self._prune()
             if (
                 len(c.regs) >= cfg.limits.max_pending_per_peer
                 or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
@@ -401,6 +425,12 @@ class DecodeConnections:
                     f"{cfg.limits.max_pending_bytes_per_peer})"
                 )
                 code = "limit"
+            elif self._total_pending() >= cfg.limits.max_pending_total:
+                why = (
+                    f"too many pending registrations on this prefill rank from all decode ranks "
+                    f"(limits.max_pending_total {cfg.limits.max_pending_total})"
+                )
+                code = "limit"
         if why:
             self.ledger.add(Count.REFUSED)
             self.refuse(c.conn, why, code, msg.request_id, msg.attempt)
@@ -408,7 +438,28 @@ class DecodeConnections:
         if msg.request_id not in c.regs:
             c.regs[msg.request_id] = size
             c.reg_bytes += size
+            self.total_regs += 1
         return True
+
+    def _total_pending(self) -> int:
+        """Pending registrations over every connection (never under the truth); recounted at the cap."""
+        if self.total_regs >= self.config.limits.max_pending_total:
+            self._prune()
+        return self.total_regs
+
+    def _prune(self) -> None:
+        """Forget finished requests in every connection's regs. It costs O(pending), so it runs at most
+        once per PRUNE_EVERY_S: a peer at its limit, refused again and again, cannot make each of its
+        registrations cost a full recount (issue 16: the push thread's round stays bounded)."""
+        now = time.monotonic()
+        if now - self._pruned_at < PRUNE_EVERY_S:
+            return
+        self._pruned_at = now
+        live = set(self.sender.pending())
+        for c in self.conns.values():
+            c.regs = {r: n for r, n in c.regs.items() if r in live}
+            c.reg_bytes = sum(c.regs.values())
+        self.total_regs = sum(len(c.regs) for c in self.conns.values())
 
     # ---- liveness -------------------------------------------------------------------------------
     def _provably_gone(self, c: _Conn, now: float) -> bool:
