@@ -91,6 +91,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
         # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
         # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
         self.announced: dict[tuple[str, int], float] = {}
+        # requests whose prefill rank is being handshaken again (a closed connection, silence): held out
+        # of the machine until the answer says which process is there, so a restart proven by that answer
+        # does not fail them with the old process's requests (issue 16: a restart's first batch failed)
+        self.deferred: dict[str, tuple[tuple[int, ...], int, PrefillAddress]] = {}
 
     def setup(self) -> None:
         self.transport, self.hello = self.setup_transport()
@@ -105,6 +109,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         for act in self.state.close(reason):
             if isinstance(act, Failed):
                 self._finish(act)
+        for rid in list(self.deferred):
+            self._fail_deferred(rid, reason, Failure.CLOSED)
 
     def busy(self) -> bool:
         return self.state.waiting() > 0
@@ -113,7 +119,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         return bool(self.announced)
 
     def tracked(self) -> int:
-        return len(self.state)
+        return len(self.state) + len(self.deferred)
 
     def step(self, now: float) -> bool:
         did = False
@@ -191,6 +197,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
                     # flight (or one posted later for a registration it still holds) lands once it goes
                     # on (issue 16: 1,021 bytes in reused blocks after a reset). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
+            self._fail_waiting_for(peer, f"prefill rank {peer.rank} did not answer a handshake: {why}")
             self.conns.reconnect(peer, now)
 
     def _on_reply(self, peer: PrefillPeer, data: bytes, now: float) -> None:
@@ -240,6 +247,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
         backlog, peer.backlog = peer.backlog, []
         for item in backlog:
             self._apply(self._send_now(peer, item))
+        for rid, (blocks, num_tokens, prefill) in list(self.deferred.items()):
+            if self._rehandshaking(prefill, now) is None:
+                del self.deferred[rid]
+                self.cmd_expect(rid, blocks, num_tokens, prefill)
 
     def _on_error_reply(self, peer: PrefillPeer, msg: ErrorReply, now: float) -> None:
         if msg.code == "hello_first":
@@ -341,17 +352,58 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self.ledger.finished(result.ok, failure=result.failure)
         self.put_result(result)
 
+    # ---- requests held while a prefill rank is handshaken again ---------------------------------
+    def _rehandshaking(self, prefill: PrefillAddress, now: float) -> PrefillPeer | None:
+        """A rank of `prefill` this rank needs that had a session and is being handshaken again (its
+        connection closed, or it went silent): the answer may come from a new process."""
+        ranks = senders_for(
+            self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
+        )
+        for rank in ranks:
+            peer = self.conns.prefills.get((prefill.engine_id, rank))
+            if peer is None:
+                continue
+            self.conns.verify_closed(peer, now)
+            if peer.session is None and peer.instance:
+                return peer
+        return None
+
+    def _fail_deferred(self, request_id: str, reason: str, kind: Failure) -> None:
+        """Nothing was registered for a held request, so nothing can be written: it fails at once."""
+        blocks, _n, _p = self.deferred.pop(request_id)
+        self._finish(Failed(request_id, 0, blocks, reason, kind))
+
+    def _fail_waiting_for(self, peer: PrefillPeer, reason: str) -> None:
+        for rid, (_b, _n, prefill) in list(self.deferred.items()):
+            if self._rehandshaking(prefill, time.monotonic()) is peer:
+                self._fail_deferred(rid, reason, Failure.PEER_SILENT)
+
     # ---- commands -----------------------------------------------------------------------------
     def cmd_expect(
         self, request_id: str, blocks: tuple[int, ...], num_tokens: int, prefill: PrefillAddress
     ) -> None:
+        now = time.monotonic()
+        fresh = not self.state.tracks(request_id) and request_id not in self.deferred
+        if fresh and self._rehandshaking(prefill, now) is not None:
+            if len(self.deferred) >= MAX_BACKLOG:
+                why = "too many requests wait for a prefill handshake"
+                self._finish(Failed(request_id, 0, blocks, why, Failure.REFUSED))
+            else:
+                self.deferred[request_id] = (blocks, num_tokens, prefill)
+            return
         self.route[request_id] = prefill
-        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, time.monotonic()))
+        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
+        if request_id in self.deferred:
+            self._fail_deferred(request_id, reason, Failure.ABORTED)
+            return
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
 
     def cmd_cancel(self, request_id: str, prefill: PrefillAddress, reason: str) -> None:
+        if request_id in self.deferred:
+            self._fail_deferred(request_id, reason, Failure.ABORTED)
+            return
         self.route.setdefault(request_id, prefill)
         self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic()))
         if not self.state.tracks(request_id):
