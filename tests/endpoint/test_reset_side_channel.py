@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
+from kvpush.apps.soak.relay import Relay
 from kvpush.endpoint import PrefillAddress
 from kvpush.transport.memory import MemoryHub
-from tests.endpoint.relay import Relay
 from tests.endpoint.test_hardening import caches, push_ok, start_decode, start_prefill, wait
 
 SENTINEL = 0xAB

@@ -1,4 +1,5 @@
-"""A TCP relay on 127.0.0.1 that can reset every connection through it (like a middlebox or conntrack)."""
+"""A TCP relay on 127.0.0.1 that can reset every connection through it, like a middlebox or conntrack
+(kvpush soak: side-channel resets between the decode and the prefill; tests/endpoint/test_reset_side_channel.py)."""
 
 from __future__ import annotations
 
