@@ -49,6 +49,7 @@ from ..protocol.wire import (
     Abort,
     ErrorReply,
     Hello,
+    Message,
     Ping,
     Pong,
     Posted,
@@ -147,12 +148,22 @@ class ReceiveThread(EndpointThread[RecvResult]):
     def _on_notification(self, peer_name: str, data: bytes, now: float) -> None:
         """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
         peer = self.conns.by_agent.get(peer_name)
-        if peer is None or peer.session is None:
+        sessions = [] if peer is None else [s for s in (peer.session, peer.last_session) if s is not None]
+        if peer is None or not sessions:
             self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
             return
-        session = peer.session
-        msg = self.decode_or_count(data, f"NIXL peer {peer_name}", lambda d: session.open(d, b"notif"))
+
+        def opened(d: bytes) -> Message:
+            """Sealed under the current session, or (re-handshaken) the one before it."""
+            try:
+                return sessions[0].open(d, b"notif")
+            except WireError:
+                if len(sessions) == 1:
+                    raise
+            return sessions[1].open(d, b"notif")
+
+        msg = self.decode_or_count(data, f"NIXL peer {peer_name}", opened)
         if msg is None:
             return
         peer.last_heard = now

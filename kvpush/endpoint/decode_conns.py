@@ -40,6 +40,9 @@ class PrefillPeer:
     nonce: bytes = b""  # ours, for this connection's Hello
     hello: Hello | None = None
     session: Session | None = None
+    # the session before a re-handshake: notifications of WRITEs sealed under it still open (a reset
+    # side channel must not turn a WRITE that landed into a timeout)
+    last_session: Session | None = None
     error: str = ""
     waiters: list[threading.Event] = field(default_factory=list)
     backlog: list[Registration | Abort] = field(default_factory=list)  # waiting for the Hello's answer
@@ -123,6 +126,8 @@ class PrefillConnections:
 
     def _send_hello(self, peer: PrefillPeer, now: float) -> None:
         peer.nonce = os.urandom(16)
+        if peer.session is not None:
+            peer.last_session = peer.session
         peer.session = None
         peer.connected_at = now
         hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
@@ -188,6 +193,8 @@ class PrefillConnections:
         now speaks for the NIXL agent its Hello named."""
         if peer.hello is not None:
             self.by_agent.pop(peer.hello.agent_name, None)
+        if peer.instance != msg.instance:
+            peer.last_session = None  # another process: its predecessor's WRITEs are settled as gone
         peer.hello, peer.error, peer.instance = msg, "", msg.instance
         peer.closed_hint = False
         peer.session = Session(self.codec, self.config.security.hmac_key, peer.nonce, msg.nonce, "decode")

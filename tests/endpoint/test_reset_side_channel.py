@@ -61,3 +61,41 @@ def test_a_reset_side_channel_never_lets_a_write_land_in_reused_blocks():
         d.close()
         p.close()
         relay.close()
+
+
+def test_a_reset_alone_ends_nothing_the_write_in_flight_still_completes_the_request():
+    """The same decode process handshakes again at once; the prefill moves its registrations to the new
+    connection, and the notification sealed under the old session still opens (keyed: the session
+    matters)."""
+    hub = MemoryHub()
+    src, dst = caches()
+    key = b"a-shared-secret-of-32-bytes-long"
+    p = start_prefill(hub, src, write_timeout_s=2.0, hmac_key=key)
+    relay = Relay(p.address[1])
+    d = start_decode(hub, dst, write_timeout_s=2.0, hmac_key=key)
+    try:
+        addr = PrefillAddress("P", "127.0.0.1", relay.port, 1)
+        d.connect(addr)
+        hub.hold_writes = True
+        d.expect("through-reset", [1, 2], 8, addr)
+        time.sleep(0.1)
+        p.prefill_done("through-reset", [3, 4], 8)
+        t0 = time.monotonic()
+        while not hub.held:
+            assert time.monotonic() - t0 < 5, "the WRITE was never posted"
+            time.sleep(0.005)
+        relay.reset()
+        time.sleep(0.3)  # the decode noticed, handshook again through the relay
+        hub.hold_writes = False
+        hub.release_held()
+        rd, rp = wait(d)[0], wait(p)[0]
+        assert rd.ok and rp.ok, (rd, rp)
+        assert d.stats()["peers_gone"] == 0 and p.stats()["peers_gone"] == 0
+        rp, rd = push_ok(p, d, addr, "after")
+        assert rp.ok and rd.ok, (rp, rd)
+    finally:
+        hub.hold_writes = False
+        hub.release_held()
+        d.close()
+        p.close()
+        relay.close()
