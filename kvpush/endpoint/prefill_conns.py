@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 
@@ -28,6 +27,7 @@ from ..protocol.prepared import PairUnits, pair_units
 from ..protocol.tp import check_peer_tp, receivers_for
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
 from ..transport.base import PreparedList, Transport
+from .admission import Admission, Pending, SenderView
 from .control import ControlListener
 from .stats import Count, Ledger
 
@@ -39,20 +39,8 @@ log = logging.getLogger("kvpush")
 MAX_MESSAGES_PER_ROUND = 64
 MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; beyond: refused
 MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
-PRUNE_EVERY_S = 0.05  # at most this often, finished requests are recounted out of the pending limits
 
 Identity = tuple[str, int]  # (decode engine id, decode rank)
-
-# What one pending registration really holds on this side (the decoded message, the sender's entry and
-# ranks, the tables that index it), measured with tracemalloc (tests/endpoint/test_bounds.py): ~1,150
-# bytes plus ~40 per block id (a Python int and its list slot). Charged with headroom.
-REG_BYTES_FIXED = 2048
-REG_BYTES_PER_BLOCK = 48
-
-
-def registration_cost(msg: Registration) -> int:
-    """Bytes a pending registration is charged against the per-peer memory limit."""
-    return REG_BYTES_FIXED + REG_BYTES_PER_BLOCK * len(msg.block_ids) + len(msg.request_id)
 
 
 @dataclass(frozen=True)
@@ -77,13 +65,6 @@ class PeerDropped:
 
 
 ConnEvent = Admitted | DecodeAborted | PeerDropped
-
-
-class SenderView(Protocol):
-    """What the table asks the sender machine (queries only; SenderState satisfies it)."""
-
-    def pending(self) -> list[str]: ...
-    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool: ...
 
 
 @dataclass
@@ -117,8 +98,7 @@ class _Conn:
     last_heard: float = 0.0
     last_ping: float = 0.0
     backlog: deque[bytes] = field(default_factory=deque)
-    regs: dict[str, int] = field(default_factory=dict)  # pending request -> bytes of its block table
-    reg_bytes: int = 0
+    pending: Pending = field(default_factory=Pending)  # its registrations not finished yet
     # Keyed: a Hello alone binds nothing (a captured one can be replayed on any connection); the identity
     # moves here with the first sealed message that opens, which needs the key and this session's nonces.
     confirmed: bool = True
@@ -151,8 +131,7 @@ class DecodeConnections:
         self.conns: dict[bytes, _Conn] = {}
         self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
         self.peers: dict[Identity, DecodePeer] = {}
-        self.total_regs = 0  # entries of every connection's regs (some may have finished since)
-        self._pruned_at = -PRUNE_EVERY_S
+        self.admission = Admission(config.limits, sender, lambda: [c.pending for c in self.conns.values()])
 
     def session(self, identity: Identity) -> Session | None:
         """The live session of the connection that decode rank is bound to."""
@@ -333,7 +312,7 @@ class DecodeConnections:
         if instance and old.instance == instance:
             if new is not None:
                 self.conns.pop(old.conn, None)
-                new.regs, new.reg_bytes = old.regs, old.reg_bytes
+                new.pending = old.pending
                 log.info(
                     "kvpush prefill: decode %s reconnected: its registrations carry over",
                     ascii(str(identity)),
@@ -395,11 +374,9 @@ class DecodeConnections:
 
     def _admit_registration(self, c: _Conn, msg: Registration) -> bool:
         """Checks before any per-rank work: the identity its connection bound, the TP that identity's
-        handshake declared, and this peer's limits on pending registrations and their bytes."""
+        handshake declared, and the limits on pending registrations (admission.py)."""
         why, code = "", "refused"
         peer = self.peers.get(c.identity) if c.identity is not None else None
-        size = registration_cost(msg)
-        cfg = self.config
         if (msg.decode_engine_id, msg.decode_rank) != c.identity:
             why = f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
             why, code = why + f"the connection of {c.identity}", "not_allowed"
@@ -409,57 +386,14 @@ class DecodeConnections:
             return False
         elif msg.decode_tp != peer.layout.tp_size:
             why = f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}"
-        elif msg.request_id not in c.regs:
-            if (
-                len(c.regs) >= cfg.limits.max_pending_per_peer
-                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
-            ):
-                self._prune()
-            if (
-                len(c.regs) >= cfg.limits.max_pending_per_peer
-                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
-            ):
-                why = (
-                    f"too many pending registrations from this decode rank ({len(c.regs)}, "
-                    f"{c.reg_bytes} bytes; limits {cfg.limits.max_pending_per_peer}, "
-                    f"{cfg.limits.max_pending_bytes_per_peer})"
-                )
-                code = "limit"
-            elif self._total_pending() >= cfg.limits.max_pending_total:
-                why = (
-                    f"too many pending registrations on this prefill rank from all decode ranks "
-                    f"(limits.max_pending_total {cfg.limits.max_pending_total})"
-                )
-                code = "limit"
+        elif msg.request_id not in c.pending.regs:
+            why, code = self.admission.refusal(c.pending, msg), "limit"
         if why:
             self.ledger.add(Count.REFUSED)
             self.refuse(c.conn, why, code, msg.request_id, msg.attempt)
             return False
-        if msg.request_id not in c.regs:
-            c.regs[msg.request_id] = size
-            c.reg_bytes += size
-            self.total_regs += 1
+        self.admission.record(c.pending, msg)
         return True
-
-    def _total_pending(self) -> int:
-        """Pending registrations over every connection (never under the truth); recounted at the cap."""
-        if self.total_regs >= self.config.limits.max_pending_total:
-            self._prune()
-        return self.total_regs
-
-    def _prune(self) -> None:
-        """Forget finished requests in every connection's regs. It costs O(pending), so it runs at most
-        once per PRUNE_EVERY_S: a peer at its limit, refused again and again, cannot make each of its
-        registrations cost a full recount (issue 16: the push thread's round stays bounded)."""
-        now = time.monotonic()
-        if now - self._pruned_at < PRUNE_EVERY_S:
-            return
-        self._pruned_at = now
-        live = set(self.sender.pending())
-        for c in self.conns.values():
-            c.regs = {r: n for r, n in c.regs.items() if r in live}
-            c.reg_bytes = sum(c.regs.values())
-        self.total_regs = sum(len(c.regs) for c in self.conns.values())
 
     # ---- liveness -------------------------------------------------------------------------------
     def _provably_gone(self, c: _Conn, now: float) -> bool:
@@ -481,7 +415,7 @@ class DecodeConnections:
             del self.bound[c.identity]
             self.ledger.add(Count.PEERS_GONE)
             engine, rank = c.identity
-            events.append(PeerDropped(tuple(c.regs), f"decode {engine!r} rank {rank}: {reason}"))
+            events.append(PeerDropped(tuple(c.pending.regs), f"decode {engine!r} rank {rank}: {reason}"))
         self.ledger.peers(len(self.bound))
         return events
 

@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from kvpush.endpoint import PrefillAddress
-from kvpush.endpoint.prefill_conns import registration_cost
+from kvpush.endpoint.admission import registration_cost
 from kvpush.errors import PeerRefused
 from kvpush.protocol import tp
 from kvpush.protocol.handshake import Session, hello_frame, make_hello
