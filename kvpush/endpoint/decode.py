@@ -15,7 +15,9 @@ prefill's clock (conservatively: with the largest `prefill clock - our clock at 
 never overstates the prefill's clock). Pings every ping_interval_s keep both sides informed; a prefill
 not heard from for peer_timeout_s is silent (its requests end and come back at their fence) and is
 re-handshaken on a fresh connection; an answer from a new instance at the same address proves the old
-process gone (its requests come back at once) and the next request works. Notifications are honoured
+process gone (its requests come back at once) and the next request works. A closed connection is only a
+hint (a reset relay closes a live prefill's too): it is answered with a fresh Hello at once, and requests
+expected meanwhile wait for that answer (so a restarted prefill serves them). Notifications are honoured
 only from the NIXL agent that the rank's Hello named, through that rank's session.
 """
 

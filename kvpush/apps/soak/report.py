@@ -47,7 +47,7 @@ _REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("aborted_by_prefill", ("aborted by the prefill",)),
     ("superseded", ("superseded",)),
     ("peer_gone_or_restarted", ("is gone", "restarted", "new instance", "replaced")),
-    ("peer_silent", ("silent",)),
+    ("peer_silent", ("silent", "did not answer a handshake")),
     ("write_abandoned", ("abandoned",)),
     ("expired", ("expir", "lease")),
     ("timed_out", ("timed out",)),
