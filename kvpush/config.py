@@ -234,6 +234,16 @@ class Limits(_Group, frozen=True):
     max_messages_per_peer_round: Annotated[
         int, Meta(description="Side-channel messages read per connection and loop round (others wait).")
     ] = 16
+    max_pending_total: Annotated[
+        int, Meta(description="Prefill: pending registrations from all decode ranks together, at most.")
+    ] = 65536
+    max_identities: Annotated[
+        int, Meta(description="Prefill: decode (engine, rank) identities bound at once, at most.")
+    ] = 1024
+    max_peer_tp: Annotated[
+        int,
+        Meta(description="Largest TP size a peer's Hello may declare (its per-request work grows with it)."),
+    ] = 256
 
     def __post_init__(self) -> None:
         _positive(
@@ -242,6 +252,9 @@ class Limits(_Group, frozen=True):
             "max_pending_per_peer",
             "max_pending_bytes_per_peer",
             "max_messages_per_peer_round",
+            "max_pending_total",
+            "max_identities",
+            "max_peer_tp",
         )
 
 

@@ -20,6 +20,9 @@ from ..errors import WireError
 from ..protocol.handshake import Session, hello_frame, make_hello, open_hello
 from ..protocol.layout import KVLayout, packed_planes
 from ..protocol.wire import (
+    ENVELOPE_BYTES,
+    KIND_CODES,
+    MAGIC,
     SEALED,
     SEQ_BYTES,
     Abort,
@@ -65,6 +68,17 @@ def seed_messages() -> list[Message]:
         Posted(request_id="req-1", attempt=3, prefill_rank=0),
         Ping(clock=3.0),
         Pong(clock=4.0),
+        # a long prompt: wire v2 lost the header of any registration with ~4,090 block ids or more
+        Registration(
+            request_id="req-long",
+            attempt=0,
+            decode_engine_id="dec",
+            decode_rank=0,
+            decode_tp=1,
+            block_ids=list(range(5000)),
+            num_tokens=80_000,
+            expires_at=12.5,
+        ),
     ]
 
 
@@ -83,13 +97,37 @@ def seed_frames() -> list[bytes]:
     return out
 
 
+def envelope_at(data: bytes) -> int:
+    """Where a body's envelope starts: 0 in a bare body, 1 behind a frame's flag byte; -1 if none."""
+    for off in (0, 1):
+        if data[off : off + len(MAGIC)] == MAGIC:
+            return off
+    return -1
+
+
+def _mutate_envelope(buf: bytearray, off: int, rng: random.Random) -> None:
+    """One envelope byte changed: the magic, the version (off by one, or any), or the kind (another
+    kind's code, so a body is read as the wrong message, or an unknown one)."""
+    i = off + rng.randrange(ENVELOPE_BYTES)
+    if i - off == 3 and rng.random() < 0.7:
+        buf[i] = rng.choice([*KIND_CODES.values(), 0, 255])
+    elif i - off == 2 and rng.random() < 0.7:
+        buf[i] = (buf[i] + rng.choice([-1, 1])) & 0xFF
+    else:
+        buf[i] = rng.randrange(256)
+
+
 def mutate(data: bytes, rng: random.Random, rounds: int = 1) -> bytes:
-    """A few random edits: flips, inserts, deletes, truncation, duplication, nesting bombs, big ints."""
+    """A few random edits: flips, inserts, deletes, truncation, duplication, nesting bombs, big ints,
+    and edits of the wire v3 envelope (magic, version, kind) in front of an intact map."""
     buf = bytearray(data)
     for _ in range(rounds):
-        op = rng.randrange(9)
+        op = rng.randrange(10)
         at = rng.randrange(len(buf) + 1)
-        if op == 0 and buf:
+        off = envelope_at(bytes(buf[:8]))
+        if op == 9 and off >= 0 and len(buf) >= off + ENVELOPE_BYTES:
+            _mutate_envelope(buf, off, rng)
+        elif op == 0 and buf:
             buf[min(at, len(buf) - 1)] ^= 1 << rng.randrange(8)
         elif op == 1:
             buf[at:at] = rng.randbytes(rng.randrange(1, 16))
@@ -148,9 +186,12 @@ def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
     errors: Counter[str] = Counter()
     crashes: Counter[str] = Counter()
     examples: dict[str, str] = {}
-    decoded = 0
+    decoded = envelope_changed = 0
     for _ in range(cases):
-        data = mutate(rng.choice(frames), rng, rng.randrange(1, 5))
+        start = rng.choice(frames)
+        data = mutate(start, rng, rng.randrange(1, 5))
+        off = envelope_at(start)
+        envelope_changed += data[off : off + ENVELOPE_BYTES] != start[off : off + ENVELOPE_BYTES]
         try:
             rng.choice(paths)(data)
             decoded += 1
@@ -163,6 +204,7 @@ def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
     return {
         "cases": cases,
         "decoded": decoded,
+        "envelope_changed": envelope_changed,  # cases whose wire v3 envelope differs from the seed's
         "errors_by_kind": dict(errors.most_common()),
         "crashes": sum(crashes.values()),
         "crashes_by_type": dict(crashes),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import socket
 import threading
 import time
 from collections import deque
@@ -56,10 +57,10 @@ class ControlChannel(Protocol):
     def recv(self) -> bytes | None: ...
 
     def peer_closed(self) -> bool:
-        """True once the other side closed an established connection since we connected: proof that the
-        prefill process (or its endpoint) is gone, since a killed process's kernel closes its sockets. A
-        frozen (SIGSTOPped) process keeps them open, and a peer that never answered proves nothing: both
-        stay False. Never blocks."""
+        """True once an established connection was closed since we connected. A hint, never proof: a
+        killed process's kernel closes its sockets, but so does a TCP reset from a middlebox, conntrack
+        or a partition while the prefill lives on and may still write. A frozen (SIGSTOPped) process keeps
+        them open, and a peer that never answered proves nothing: both stay False. Never blocks."""
         ...
 
     def close(self) -> None: ...
@@ -71,6 +72,15 @@ class ControlPlane(Protocol):
         ...
 
     def connect(self, host: str, port: int, max_message_bytes: int) -> ControlChannel: ...
+
+    def nobody_listens(self, host: str, port: int) -> bool:
+        """True only when a fresh connection to host:port is refused now (nothing listens there: the
+        process is gone or closed its endpoint). A listener, a timeout or any other error: False. Blocks
+        at most PROBE_TIMEOUT_S (called only to verify a closed connection's hint)."""
+        ...
+
+
+PROBE_TIMEOUT_S = 0.25
 
 
 # ---- ZeroMQ ------------------------------------------------------------------------------------------
@@ -187,6 +197,15 @@ class ZmqControl:
     def connect(self, host: str, port: int, max_message_bytes: int) -> _ZmqChannel:
         return _ZmqChannel(self.ctx, host, port, max_message_bytes)
 
+    def nobody_listens(self, host: str, port: int) -> bool:
+        try:
+            with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:  # a timeout, no route: a partition looks like this, and proves nothing
+            return False
+
 
 # ---- in memory ---------------------------------------------------------------------------------------
 @dataclass
@@ -289,3 +308,7 @@ class MemoryControl:
         with self.lock:
             conn = f"conn-{next(self._conns)}".encode()
         return _MemoryChannel(self, host, port, conn)
+
+    def nobody_listens(self, host: str, port: int) -> bool:
+        with self.lock:
+            return (host, port) not in self.listeners

@@ -15,7 +15,9 @@ prefill's clock (conservatively: with the largest `prefill clock - our clock at 
 never overstates the prefill's clock). Pings every ping_interval_s keep both sides informed; a prefill
 not heard from for peer_timeout_s is silent (its requests end and come back at their fence) and is
 re-handshaken on a fresh connection; an answer from a new instance at the same address proves the old
-process gone (its requests come back at once) and the next request works. Notifications are honoured
+process gone (its requests come back at once) and the next request works. A closed connection is only a
+hint (a reset relay closes a live prefill's too): it is answered with a fresh Hello at once, and requests
+expected meanwhile wait for that answer (so a restarted prefill serves them). Notifications are honoured
 only from the NIXL agent that the rank's Hello named, through that rank's session.
 """
 
@@ -44,11 +46,12 @@ from ..protocol.receiver import (
     SendAbort,
     SendRegistration,
 )
-from ..protocol.tp import senders_for
+from ..protocol.tp import check_peer_tp, senders_for
 from ..protocol.wire import (
     Abort,
     ErrorReply,
     Hello,
+    Message,
     Ping,
     Pong,
     Posted,
@@ -67,6 +70,7 @@ from .base import (
 )
 from .control import ControlPlane
 from .decode_conns import MAX_BACKLOG, PrefillConnections, PrefillPeer
+from .held import Held, HeldRequests
 from .stats import Count
 
 log = logging.getLogger("kvpush")
@@ -99,6 +103,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self.conns = PrefillConnections(
             self.config, self.codec, self.hello, self.control, self.poller, self.ledger
         )
+        self.held = HeldRequests(self.conns, self.layout, MAX_BACKLOG)  # while their rank re-handshakes
 
     def teardown(self) -> None:
         self.conns.close()
@@ -107,6 +112,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         for act in self.state.close(reason):
             if isinstance(act, Failed):
                 self._finish(act)
+        for rid in self.held.ids():
+            self._fail_held(rid, reason, Failure.CLOSED)
 
     def busy(self) -> bool:
         return self.state.waiting() > 0
@@ -115,7 +122,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         return bool(self.announced)
 
     def tracked(self) -> int:
-        return len(self.state)
+        return len(self.state) + len(self.held)
 
     def describe(self, request_id: str) -> str:
         return self.state.describe(request_id, time.monotonic())
@@ -146,12 +153,22 @@ class ReceiveThread(EndpointThread[RecvResult]):
     def _on_notification(self, peer_name: str, data: bytes, now: float) -> None:
         """Only the agent a prefill rank's Hello named may report on that rank's WRITEs."""
         peer = self.conns.by_agent.get(peer_name)
-        if peer is None or peer.session is None:
+        sessions = [] if peer is None else [s for s in (peer.session, peer.last_session) if s is not None]
+        if peer is None or not sessions:
             self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush decode: notification from unknown NIXL agent %s dropped", ascii(peer_name))
             return
-        session = peer.session
-        msg = self.decode_or_count(data, f"NIXL peer {peer_name}", lambda d: session.open(d, b"notif"))
+
+        def opened(d: bytes) -> Message:
+            """Sealed under the current session, or (re-handshaken) the one before it."""
+            try:
+                return sessions[0].open(d, b"notif")
+            except WireError:
+                if len(sessions) == 1:
+                    raise
+            return sessions[1].open(d, b"notif")
+
+        msg = self.decode_or_count(data, f"NIXL peer {peer_name}", opened)
         if msg is None:
             return
         peer.last_heard = now
@@ -179,6 +196,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         """Ping every prefill rank we talk to; a silent one ends its requests and is handshaken again."""
         cfg = self.config
         for peer in list(self.conns.prefills.values()):
+            self.conns.verify_closed(peer, now)
             self.conns.ping(peer, now)
             heard = max(peer.last_heard, peer.connected_at)
             if now - heard < cfg.liveness.peer_timeout_s:
@@ -186,14 +204,17 @@ class ReceiveThread(EndpointThread[RecvResult]):
             why = f"not heard from in {now - heard:.1f}s (peer_timeout_s {cfg.liveness.peer_timeout_s})"
             if self.state.owed_by(peer.rank):
                 self.ledger.add(Count.PEERS_GONE)
-                if peer.channel.peer_closed():
-                    why = f"it closed the side channel; {why}"
+                if self.conns.gone_for_sure(peer):
+                    why = f"it closed the side channel and nothing listens at its address; {why}"
                     self._apply(self.state.on_peer_gone(peer.rank, why, now))
                 else:
-                    # silence proves nothing: a frozen (SIGSTOPped) prefill answers nothing, and its NIXL
-                    # agent refuses notifications, yet its WRITE in flight lands once it resumes (kvpush
-                    # soak: stale writes when a refused notification counted as death). Fence-bound.
+                    # neither silence nor a closed connection proves death: a frozen (SIGSTOPped) prefill
+                    # answers nothing, a reset relay closes a live one's connection, and either's WRITE in
+                    # flight (or one posted later for a registration it still holds) lands once it goes
+                    # on (issue 16: 1,021 bytes in reused blocks after a reset). Fence-bound.
                     self._apply(self.state.on_peer_silent(peer.rank, why, now))
+            for rid in self.held.waiting_for(peer, now):
+                self._fail_held(rid, f"prefill rank {peer.rank} did not answer a handshake: {why}")
             self.conns.reconnect(peer, now)
 
     def _on_reply(self, peer: PrefillPeer, data: bytes, now: float) -> None:
@@ -224,7 +245,10 @@ class ReceiveThread(EndpointThread[RecvResult]):
 
     def _on_hello_reply(self, peer: PrefillPeer, msg: Hello, now: float) -> None:
         try:
-            check_peer_hello(self.layout, msg, prefill_side=False)
+            # the prefill's TP is bounded before any request's work grows with it (senders_for per expect)
+            check_peer_tp(
+                check_peer_hello(self.layout, msg, prefill_side=False), self.config.limits.max_peer_tp
+            )
         except LayoutError as exc:
             peer.error = str(exc)
             return
@@ -240,6 +264,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         backlog, peer.backlog = peer.backlog, []
         for item in backlog:
             self._apply(self._send_now(peer, item))
+        for rid, held in self.held.ready(now):
+            self.cmd_expect(rid, held.blocks, held.num_tokens, held.prefill)
 
     def _on_error_reply(self, peer: PrefillPeer, msg: ErrorReply, now: float) -> None:
         if msg.code == "hello_first":
@@ -351,19 +377,35 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self.ledger.finished(result.ok, latency, result.failure)
         self.put_result(result)
 
+    def _fail_held(self, request_id: str, reason: str, kind: Failure = Failure.PEER_SILENT) -> None:
+        """Nothing was registered for a held request, so nothing can be written: it fails at once."""
+        self._finish(Failed(request_id, 0, self.held.pop(request_id).blocks, reason, kind))
+
     # ---- commands -----------------------------------------------------------------------------
     def cmd_expect(
         self, request_id: str, blocks: tuple[int, ...], num_tokens: int, prefill: PrefillAddress
     ) -> None:
-        self.route[request_id] = prefill
         now = time.monotonic()
+        fresh = not self.state.tracks(request_id) and request_id not in self.held
+        if fresh and self.held.rehandshaking(prefill, now) is not None:
+            if not self.held.hold(request_id, Held(blocks, num_tokens, prefill)):
+                why = "too many requests wait for a prefill handshake"
+                self._finish(Failed(request_id, 0, blocks, why, Failure.REFUSED))
+            return
+        self.route[request_id] = prefill
         self.expected_at[request_id] = now
         self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
+        if request_id in self.held:
+            self._fail_held(request_id, reason, Failure.ABORTED)
+            return
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
 
     def cmd_cancel(self, request_id: str, prefill: PrefillAddress, reason: str) -> None:
+        if request_id in self.held:
+            self._fail_held(request_id, reason, Failure.ABORTED)
+            return
         self.route.setdefault(request_id, prefill)
         self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic()))
         if not self.state.tracks(request_id):

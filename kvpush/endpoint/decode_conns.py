@@ -40,6 +40,9 @@ class PrefillPeer:
     nonce: bytes = b""  # ours, for this connection's Hello
     hello: Hello | None = None
     session: Session | None = None
+    # the session before a re-handshake: notifications of WRITEs sealed under it still open (a reset
+    # side channel must not turn a WRITE that landed into a timeout)
+    last_session: Session | None = None
     error: str = ""
     waiters: list[threading.Event] = field(default_factory=list)
     backlog: list[Registration | Abort] = field(default_factory=list)  # waiting for the Hello's answer
@@ -48,6 +51,7 @@ class PrefillPeer:
     last_ping: float = 0.0
     connected_at: float = 0.0
     instance: bytes = b""  # the prefill process we last completed a Hello with
+    closed_hint: bool = False  # a connection of ours was closed since the last session: verify, never trust
 
     @property
     def origin(self) -> str:
@@ -93,6 +97,22 @@ class PrefillConnections:
             for ev in peer.waiters:
                 ev.set()
 
+    def gone_for_sure(self, peer: PrefillPeer) -> bool:
+        """Proof that the rank's process is gone, for a rank we already suspect: a connection of ours was
+        closed and a fresh one to its address is refused (nothing listens). A closed connection alone is
+        a hint (a reset relay, conntrack or a partition close it too, while the prefill lives and writes)."""
+        return peer.closed_hint and self.control.nobody_listens(
+            peer.address.host, peer.address.rank_port(peer.rank)
+        )
+
+    def verify_closed(self, peer: PrefillPeer, now: float) -> None:
+        """A closed connection is a hint to verify: reconnect with a fresh Hello at once (a new instance
+        answering proves a restart; the same instance answering proves the prefill alive)."""
+        if not peer.closed_hint and peer.channel.peer_closed():
+            peer.closed_hint = True
+            log.info("kvpush decode: side channel to %s closed: handshaking again", ascii(peer.origin))
+            self.reconnect(peer, now)
+
     def reconnect(self, peer: PrefillPeer, now: float) -> None:
         """A fresh connection and Hello: finds a restarted prefill (a new instance) or a resumed one."""
         with contextlib.suppress(KeyError):
@@ -106,6 +126,8 @@ class PrefillConnections:
 
     def _send_hello(self, peer: PrefillPeer, now: float) -> None:
         peer.nonce = os.urandom(16)
+        if peer.session is not None:
+            peer.last_session = peer.session
         peer.session = None
         peer.connected_at = now
         hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
@@ -171,7 +193,10 @@ class PrefillConnections:
         now speaks for the NIXL agent its Hello named."""
         if peer.hello is not None:
             self.by_agent.pop(peer.hello.agent_name, None)
+        if peer.instance != msg.instance:
+            peer.last_session = None  # another process: its predecessor's WRITEs are settled as gone
         peer.hello, peer.error, peer.instance = msg, "", msg.instance
+        peer.closed_hint = False
         peer.session = Session(self.codec, self.config.security.hmac_key, peer.nonce, msg.nonce, "decode")
         self.by_agent[msg.agent_name] = peer
         peer.clock_offset = None

@@ -74,6 +74,11 @@ class PushThread(EndpointThread[SendResult]):
         self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
         self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
         self.timeline: dict[str, dict[str, float]] = {}  # request -> TIMELINE marks so far
+        # an abandoned WRITE may still read its source until write_linger_s after it was given up: the
+        # engine gets the source blocks back only then (held: (when, release), in order of `when`)
+        self.reads_until: dict[str, float] = {}
+        self.held: deque[tuple[float, ReleaseSource]] = deque()
+        self.closing = False
         self.bound_port = 0
 
     def setup(self) -> None:
@@ -102,7 +107,10 @@ class PushThread(EndpointThread[SendResult]):
         reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
         settled = self.scheduler.close(reason)
         self.conns.listener.close()
-        self.transport.close()
+        self.transport.close()  # deregistered: no WRITE reads our memory any more, held releases go now
+        self.closing = True
+        while self.held:
+            self._release(self.held.popleft()[1])
         actions = self._settle(settled)
         now = time.monotonic()
         for rid in self.state.pending():
@@ -117,7 +125,7 @@ class PushThread(EndpointThread[SendResult]):
         return self.scheduler.busy()
 
     def tracked(self) -> int:
-        return len(self.state)
+        return len(self.state) + len(self.held)
 
     def describe(self, request_id: str) -> str:
         try:
@@ -151,6 +159,8 @@ class PushThread(EndpointThread[SendResult]):
             for event in self.conns.liveness(now):
                 self._on_event(event)
             self._apply(self.state.on_tick(now))
+            while self.held and self.held[0][0] <= now:
+                self._release(self.held.popleft()[1])
             self.ledger.pending(len(self.state))
             self.ledger.in_flight_bytes(self.scheduler.inflight_bytes)
         return did
@@ -211,6 +221,9 @@ class PushThread(EndpointThread[SendResult]):
                 marks["complete"] = s.complete_at
             if s.ok:
                 self.ledger.add(Count.BYTES, s.nbytes)
+            if s.abandoned:
+                until = s.complete_at + self.config.leases.write_linger_s
+                self.reads_until[a.request_id] = max(self.reads_until.get(a.request_id, 0.0), until)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush push %s: complete %.1f ms after post (ok=%s)",
@@ -318,6 +331,10 @@ class PushThread(EndpointThread[SendResult]):
 
     def _release(self, act: ReleaseSource) -> None:
         now = time.monotonic()
+        until = self.reads_until.pop(act.request_id, 0.0)
+        if until > now and not self.closing:
+            self.held.append((until, act))  # write_linger_s is one value: `until` only grows along held
+            return
         started = self.prefill_done_at.pop(act.request_id, None)
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)

@@ -16,7 +16,6 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 
@@ -25,9 +24,10 @@ from ..errors import LayoutError, TransportError, WireError
 from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
-from ..protocol.tp import receivers_for
+from ..protocol.tp import check_peer_tp, receivers_for
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
 from ..transport.base import PreparedList, Transport
+from .admission import Admission, Pending, SenderView
 from .control import ControlListener
 from .stats import Count, Ledger
 
@@ -67,13 +67,6 @@ class PeerDropped:
 ConnEvent = Admitted | DecodeAborted | PeerDropped
 
 
-class SenderView(Protocol):
-    """What the table asks the sender machine (queries only; SenderState satisfies it)."""
-
-    def pending(self) -> list[str]: ...
-    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool: ...
-
-
 @dataclass
 class Prepared:
     """A pair's prepared lists: made once at handshake, indexed by every request to that decode rank."""
@@ -105,8 +98,7 @@ class _Conn:
     last_heard: float = 0.0
     last_ping: float = 0.0
     backlog: deque[bytes] = field(default_factory=deque)
-    regs: dict[str, int] = field(default_factory=dict)  # pending request -> bytes of its block table
-    reg_bytes: int = 0
+    pending: Pending = field(default_factory=Pending)  # its registrations not finished yet
     # Keyed: a Hello alone binds nothing (a captured one can be replayed on any connection); the identity
     # moves here with the first sealed message that opens, which needs the key and this session's nonces.
     confirmed: bool = True
@@ -139,6 +131,7 @@ class DecodeConnections:
         self.conns: dict[bytes, _Conn] = {}
         self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
         self.peers: dict[Identity, DecodePeer] = {}
+        self.admission = Admission(config.limits, sender, lambda: [c.pending for c in self.conns.values()])
 
     def session(self, identity: Identity) -> Session | None:
         """The live session of the connection that decode rank is bound to."""
@@ -259,11 +252,23 @@ class DecodeConnections:
             return []
         try:
             peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
+            check_peer_tp(peer_layout, self.config.limits.max_peer_tp)
         except LayoutError as exc:
+            self.ledger.add(Count.REFUSED)
+            log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), exc)
             self.refuse(conn, str(exc), "refused")
             return []
         identity = (hello.engine_id, peer_layout.tp_rank)
-        in_use, events = self._identity_in_use(conn, identity, now)
+        if identity not in self.bound and len(self.bound) >= self.config.limits.max_identities:
+            self.ledger.add(Count.REFUSED)
+            why = (
+                f"this prefill rank has {len(self.bound)} decode identities bound "
+                f"(limits.max_identities {self.config.limits.max_identities}): try again later"
+            )
+            log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), why)
+            self.refuse(conn, why, "limit")
+            return []
+        in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
             return events
         try:
@@ -292,12 +297,26 @@ class DecodeConnections:
         self._send_raw(conn, hello_frame(self.codec, reply, self.config.security.hmac_key, echo=hello.nonce))
         return events
 
-    def _identity_in_use(self, conn: bytes, identity: Identity, now: float) -> tuple[bool, list[ConnEvent]]:
+    def _identity_in_use(
+        self, conn: bytes, identity: Identity, now: float, instance: bytes, new: _Conn | None = None
+    ) -> tuple[bool, list[ConnEvent]]:
         """Refuse (and say so) when the identity is bound to another live connection; an old one that is
-        provably gone is dropped (its requests end: the events say which)."""
+        provably gone is dropped (its requests end: the events say which). The same decode process
+        (instance) on a new connection replaced its old one (a reset closed it, it handshook again): once
+        the new connection is proven (`new`: unkeyed at its Hello, keyed at its first sealed message) it
+        takes over the old one's registrations, so a reset ends no request on this side."""
         old_conn = self.bound.get(identity)
         old = self.conns.get(old_conn) if old_conn is not None else None
         if old is None or old.conn == conn:
+            return False, []
+        if instance and old.instance == instance:
+            if new is not None:
+                self.conns.pop(old.conn, None)
+                new.pending = old.pending
+                log.info(
+                    "kvpush prefill: decode %s reconnected: its registrations carry over",
+                    ascii(str(identity)),
+                )
             return False, []
         if self._provably_gone(old, now):
             return False, self._drop(old, "a new handshake replaced it")
@@ -320,7 +339,7 @@ class DecodeConnections:
         """The connection's identity is proven (unkeyed: at its Hello; keyed: at its first sealed message):
         it is bound here, its NIXL peer and prepared lists set up, and an old connection replaced."""
         assert c.identity is not None and c.peer_layout is not None
-        in_use, events = self._identity_in_use(c.conn, c.identity, now)
+        in_use, events = self._identity_in_use(c.conn, c.identity, now, c.instance, c)
         if in_use:
             self.conns.pop(c.conn, None)
             return events
@@ -355,11 +374,9 @@ class DecodeConnections:
 
     def _admit_registration(self, c: _Conn, msg: Registration) -> bool:
         """Checks before any per-rank work: the identity its connection bound, the TP that identity's
-        handshake declared, and this peer's limits on pending registrations and their bytes."""
+        handshake declared, and the limits on pending registrations (admission.py)."""
         why, code = "", "refused"
         peer = self.peers.get(c.identity) if c.identity is not None else None
-        size = 8 * len(msg.block_ids) + len(msg.request_id)
-        cfg = self.config
         if (msg.decode_engine_id, msg.decode_rank) != c.identity:
             why = f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
             why, code = why + f"the connection of {c.identity}", "not_allowed"
@@ -369,31 +386,13 @@ class DecodeConnections:
             return False
         elif msg.decode_tp != peer.layout.tp_size:
             why = f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}"
-        elif msg.request_id not in c.regs:
-            if (
-                len(c.regs) >= cfg.limits.max_pending_per_peer
-                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
-            ):
-                live = set(self.sender.pending())
-                c.regs = {r: n for r, n in c.regs.items() if r in live}
-                c.reg_bytes = sum(c.regs.values())
-            if (
-                len(c.regs) >= cfg.limits.max_pending_per_peer
-                or c.reg_bytes + size > cfg.limits.max_pending_bytes_per_peer
-            ):
-                why = (
-                    f"too many pending registrations from this decode rank ({len(c.regs)}, "
-                    f"{c.reg_bytes} bytes; limits {cfg.limits.max_pending_per_peer}, "
-                    f"{cfg.limits.max_pending_bytes_per_peer})"
-                )
-                code = "limit"
+        elif msg.request_id not in c.pending.regs:
+            why, code = self.admission.refusal(c.pending, msg), "limit"
         if why:
             self.ledger.add(Count.REFUSED)
             self.refuse(c.conn, why, code, msg.request_id, msg.attempt)
             return False
-        if msg.request_id not in c.regs:
-            c.regs[msg.request_id] = size
-            c.reg_bytes += size
+        self.admission.record(c.pending, msg)
         return True
 
     # ---- liveness -------------------------------------------------------------------------------
@@ -416,7 +415,7 @@ class DecodeConnections:
             del self.bound[c.identity]
             self.ledger.add(Count.PEERS_GONE)
             engine, rank = c.identity
-            events.append(PeerDropped(tuple(c.regs), f"decode {engine!r} rank {rank}: {reason}"))
+            events.append(PeerDropped(tuple(c.pending.regs), f"decode {engine!r} rank {rank}: {reason}"))
         self.ledger.peers(len(self.bound))
         return events
 

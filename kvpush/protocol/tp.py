@@ -3,40 +3,71 @@
 Each decode rank receives exactly the heads it holds, each head from one prefill rank (the lowest one
 holding it, when prefill replicates heads). The number of notifications a decode rank waits for is the
 number of distinct prefill ranks that write to it.
+
+Both maps cost O(heads involved), never O(TP size): the TP a peer declares in its Hello is bounded
+(limits.max_peer_tp), yet a registration must not cost the push thread work that grows with it.
 """
 
 from __future__ import annotations
 
-from .layout import heads_of_rank
+from ..errors import LayoutError
+from .layout import KVLayout, heads_of_rank
 
 HeadRange = tuple[int, int]
+
+
+def _owner(head: int, prefill_tp: int, total_kv_heads: int) -> int:
+    """The lowest prefill rank holding `head` (the one that writes it)."""
+    if prefill_tp <= total_kv_heads:
+        return head // (total_kv_heads // prefill_tp)
+    return head * (prefill_tp // total_kv_heads)
+
+
+def _holders(head: int, tp: int, total_kv_heads: int) -> range:
+    """Every rank of a TP group that holds `head` (several when heads are replicated)."""
+    if tp <= total_kv_heads:
+        rank = head // (total_kv_heads // tp)
+        return range(rank, rank + 1)
+    rep = tp // total_kv_heads
+    return range(head * rep, head * rep + rep)
 
 
 def senders_for(
     decode_rank: int, decode_tp: int, prefill_tp: int, total_kv_heads: int
 ) -> dict[int, HeadRange]:
     """prefill rank -> global head range it writes to `decode_rank`."""
+    heads_of_rank(0, prefill_tp, total_kv_heads)  # LayoutError if the heads do not split over prefill TP
     d_lo, d_hi = heads_of_rank(decode_rank, decode_tp, total_kv_heads)
-    owners: dict[int, list[int]] = {}
+    out: dict[int, HeadRange] = {}
     for head in range(d_lo, d_hi):
-        owner = min(
-            p
-            for p in range(prefill_tp)
-            if heads_of_rank(p, prefill_tp, total_kv_heads)[0]
-            <= head
-            < heads_of_rank(p, prefill_tp, total_kv_heads)[1]
-        )
-        owners.setdefault(owner, []).append(head)
-    return {p: (min(hs), max(hs) + 1) for p, hs in sorted(owners.items())}
+        owner = _owner(head, prefill_tp, total_kv_heads)
+        lo, _ = out.get(owner, (head, head))
+        out[owner] = (lo, head + 1)
+    return out
 
 
 def receivers_for(
     prefill_rank: int, prefill_tp: int, decode_tp: int, total_kv_heads: int
 ) -> dict[int, HeadRange]:
     """decode rank -> global head range `prefill_rank` writes to it."""
+    heads_of_rank(0, decode_tp, total_kv_heads)  # LayoutError if the heads do not split over decode TP
+    p_lo, p_hi = heads_of_rank(prefill_rank, prefill_tp, total_kv_heads)
     out: dict[int, HeadRange] = {}
-    for d in range(decode_tp):
-        heads = senders_for(d, decode_tp, prefill_tp, total_kv_heads).get(prefill_rank)
-        if heads is not None:
-            out[d] = heads
-    return out
+    for head in range(p_lo, p_hi):
+        if _owner(head, prefill_tp, total_kv_heads) != prefill_rank:
+            continue  # a lower prefill rank holds this head too and writes it
+        for d in _holders(head, decode_tp, total_kv_heads):
+            lo, _ = out.get(d, (head, head))
+            out[d] = (lo, head + 1)
+    return dict(sorted(out.items()))
+
+
+def check_peer_tp(peer: KVLayout, max_peer_tp: int) -> None:
+    """LayoutError naming the TP a peer's Hello declared when it is over the bound (or does not split the
+    KV heads): the maps above cost work per rank of the peer's TP, so it is checked before any."""
+    if peer.tp_size > max_peer_tp:
+        raise LayoutError(
+            f"peer declares TP {peer.tp_size} with {peer.total_kv_heads} KV heads: over this side's "
+            f"limits.max_peer_tp {max_peer_tp}"
+        )
+    heads_of_rank(peer.tp_rank, peer.tp_size, peer.total_kv_heads)

@@ -46,6 +46,9 @@ FLAT = {
     "max_pending_per_peer": ("limits.max_pending_per_peer", 10),
     "max_pending_bytes_per_peer": ("limits.max_pending_bytes_per_peer", 1 << 10),
     "max_messages_per_peer_round": ("limits.max_messages_per_peer_round", 4),
+    "max_pending_total": ("limits.max_pending_total", 100),  # issue 16: global caps, bounded peer TP
+    "max_identities": ("limits.max_identities", 8),
+    "max_peer_tp": ("limits.max_peer_tp", 64),
     "metrics_port": ("metrics.port", 9100),
     "metrics_host": ("metrics.host", "0.0.0.0"),
 }
@@ -58,7 +61,7 @@ def read(config: KVPushConfig, path: str) -> object:
 
 
 def test_every_flat_key_of_before_is_still_accepted_and_lands_in_its_group():
-    assert len(FLAT) + 1 == 30 and set(FLAT) == set(FLAT_KEYS)  # + engine_id, top level
+    assert len(FLAT) + 1 == 33 and set(FLAT) == set(FLAT_KEYS)  # + engine_id, top level
     data = json.loads(json.dumps({"engine_id": "e1", **{k: v for k, (_, v) in FLAT.items()}}))
     config = KVPushConfig.from_mapping(data)
     assert config.engine_id == "e1"

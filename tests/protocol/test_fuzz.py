@@ -91,3 +91,7 @@ def test_the_cli_runner_reports_zero_crashes():
     assert report["cases"] == 3000
     assert report["crashes"] == 0, report
     assert sum(report["errors_by_kind"].values()) + report["decoded"] == 3000
+    # the wire v3 envelope is fuzzed too, and its refusals are reported by kind
+    assert report["envelope_changed"] >= 300, report["envelope_changed"]
+    kinds = " ".join(report["errors_by_kind"])
+    assert "unsupported wire version" in kinds and "unknown message kind" in kinds, kinds

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kvpush.apps.soak.common import DECODE_ID, MARK
+from kvpush.apps.soak.common import CROSS_MARK, DECODE_ID, HOLDER_ID, MARK
 from kvpush.protocol.handshake import Session, hello_frame
 from kvpush.protocol.wire import HELLO_MAC, PLAIN, Abort, Codec, Hello, Registration, split_frame
 
@@ -24,8 +24,11 @@ class Attacker:
     `self_check_key` is set only by `--self-check unauthorized`: then the "attacker" holds the key, as
     a compromised key holder would, and its Hello is accepted (SECURITY.md says it is)."""
 
-    def __init__(self, ctx: zmq.Context[Any], port: int, self_check_key: bytes | None) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], port: int, self_check_key: bytes | None, holder_key: bytes
+    ) -> None:
         self.ctx, self.port, self.self_check_key = ctx, port, self_check_key
+        self.holder_key = holder_key  # for the key holder's attacks (cross_peer, huge_tp)
         self.codec = Codec()
         self.wrong_key = os.urandom(32)
         self.rng = random.Random(port)
@@ -101,6 +104,66 @@ class Attacker:
                 sock.send(self._key_holder_abort(rid, answer))
         sock.close()
         return len(frames), accepted
+
+    def play_holder(
+        self, kind: str, targets: list[tuple[str, int]], blocks: list[int], captured: list[bytes]
+    ) -> tuple[int, int]:
+        """A key holder's attack on a fresh connection: (frames sent, Hellos accepted that must not be).
+
+        huge_tp: a Hello declaring decode TP 65,536 (2 KV heads); the prefill must refuse it by name.
+        cross_peer: bound as HOLDER_ID, it registers lent `blocks` for the first target's request (with
+        a huge attempt, to supersede the owner's) and aborts the second's; only the ownership rule of
+        issue 16 finding 2 stops them (until then the soak reports their effects in cross_peer_accepted).
+        """
+        victim = self.hello_of(captured)
+        if victim is None:
+            return 0, 0
+        mine = msgspec.structs.replace(
+            victim, engine_id=HOLDER_ID, nonce=os.urandom(16), instance=os.urandom(16)
+        )
+        if kind == "huge_tp":
+            wide = msgspec.structs.replace(victim.layout, tp_size=65536)  # the compat hash ignores TP
+            mine = msgspec.structs.replace(mine, engine_id="soak-huge-tp", layout=wide)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        sock.send(hello_frame(self.codec, mine, self.holder_key))
+        sent, answer = 1, None
+        if sock.poll(1000):
+            answer = self.hello_of([sock.recv()])
+        if kind == "cross_peer" and answer is not None and targets:
+            s = Session(self.codec, self.holder_key, mine.nonce, answer.nonce, "decode")
+            rid, n = targets[0]
+            reg = Registration(
+                request_id=rid,
+                attempt=1 << 30,
+                decode_engine_id=HOLDER_ID,
+                decode_rank=0,
+                decode_tp=1,
+                block_ids=blocks or [0],
+                num_tokens=n,
+                expires_at=answer.clock + 3.0,
+            )
+            frames = [s.seal(reg)]
+            for victim_rid, _n in targets[1:]:
+                for attempt in range(3):
+                    frames.append(
+                        s.seal(
+                            Abort(
+                                request_id=victim_rid,
+                                attempt=attempt,
+                                decode_engine_id=HOLDER_ID,
+                                decode_rank=0,
+                                reason=CROSS_MARK,
+                            )
+                        )
+                    )
+            for f in frames:
+                sock.send(f)
+            sent += len(frames)
+            time.sleep(0.3)
+        sock.close()
+        return sent, int(kind == "huge_tp" and answer is not None)
 
     def _key_holder_abort(self, rid: str, answer: Hello) -> bytes:
         """A key holder with an identity of its own aborts another decode's request."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvpush.apps.blocks import BlockPool, shuffled_runs
 from kvpush.apps.demo.procs import Geometry
-from kvpush.apps.soak.common import MARK
+from kvpush.apps.soak.common import CROSS_MARK, MARK
 from kvpush.apps.soak.report import reason_kind
 from kvpush.protocol.layout import blocks_for
 
@@ -53,6 +53,7 @@ class Book:
         self.stale = 0
         self.corrupt = 0
         self.unauthorized = 0
+        self.cross_peer = 0  # honest requests ended by another bound identity's abort
         self.double_freed = 0
         self.log: list[str] = []
         self.t0 = time.monotonic()
@@ -146,6 +147,9 @@ class Book:
         if MARK in reason and not r.hijacked:
             r.hijacked = True
             self.unauthorized += 1
+        elif CROSS_MARK in reason and not r.hijacked:
+            r.hijacked = True
+            self.cross_peer += 1
 
     def _settle(self, r: Req) -> None:
         if r.settled or r.p_gen >= 0 or r.d_held:

@@ -50,6 +50,7 @@ class Children:
         on_tick: Callable[[], None],
     ) -> None:
         self.p_geo, self.d_geo, self.port, self.rates = p_geo, d_geo, port, rates
+        self.dial_port = port  # where the decode dials the prefill (the driver's relay, when it has one)
         self.seed, self.check = seed, check
         self.on_message, self.on_tick = on_message, on_tick
         self.ctx = mp.get_context("spawn")
@@ -80,10 +81,10 @@ class Children:
             args: tuple[Any, ...] = (child, self.p_geo, self.port, self.rates, seed)
         elif role == "decode":
             target = decode_main
-            args = (child, self.d_geo, ("127.0.0.1", self.port), self.rates, seed, self.check)
+            args = (child, self.d_geo, ("127.0.0.1", self.dial_port), self.rates, seed, self.check)
         else:
             target = attacker_main
-            args = (child, self.port, KEY if self.check == "unauthorized" else None)
+            args = (child, self.port, KEY if self.check == "unauthorized" else None, KEY)
         proc = self.ctx.Process(target=target, args=args, name=f"kvpush-soak-{role}", daemon=True)
         proc.start()
         child.close()

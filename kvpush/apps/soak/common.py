@@ -9,6 +9,10 @@ from kvpush.transport.faults import FAULT_KINDS as TRANSPORT_FAULTS
 
 PREFILL_ID, DECODE_ID = "soak-prefill", "soak-decode"
 MARK = "soak-attacker"  # the attacker's abort reason: an honest request ending with it was hijacked
+# A key holder bound under its own identity (another decode, or a compromised one) acting on the soak
+# decode's requests: its abort reason, and its engine id (issue 16 finding 2)
+CROSS_MARK = "soak-cross-peer"
+HOLDER_ID = "soak-other-decode"
 KEY = b"kvpush-soak-shared-secret-32byte"
 DRIVER_FAULTS = (
     "kill_prefill",
@@ -21,6 +25,10 @@ DRIVER_FAULTS = (
     "forged",
     "replayed",
     "hijack",
+    "cross_peer",  # a key holder's registration and abort for the decode's live requests
+    "huge_tp",  # a key holder's Hello declaring decode TP 65,536 with 2 KV heads
+    "reset_side_channel",  # a relay between decode and prefill resets (and maybe black-holes) the flow
+    "long_prompt",  # an extra request of many blocks
 )
 FAULT_KINDS = DRIVER_FAULTS + TRANSPORT_FAULTS
 SELF_CHECKS = ("corrupt", "stale", "leak", "unauthorized")

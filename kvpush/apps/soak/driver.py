@@ -16,7 +16,10 @@ from kvpush.apps.ports import free_port_range
 from kvpush.apps.soak.book import Book, Req
 from kvpush.apps.soak.children import Children, Proc
 from kvpush.apps.soak.common import DRIVER_FAULTS, TRANSPORT_RATES, soak_config, soak_geometry
+from kvpush.apps.soak.relay import Relay
 from kvpush.apps.soak.report import build_report
+
+CROSS_AUDIT_S = 8.0  # past the attack registration's expiry and WRITE bound: audit the lent blocks
 
 
 class Soak:
@@ -40,6 +43,14 @@ class Soak:
             on_message=self._on_message,
             on_tick=self._on_tick,
         )
+        # the decode dials the prefill through a relay that the reset_side_channel fault resets
+        self.relay = Relay(self.kids.port)
+        self.kids.dial_port = self.relay.port
+        self.heal_at = 0.0
+        self.lent: list[tuple[float, list[int]]] = []  # (audit at, decode blocks lent to a cross_peer attack)
+        self.cross_peer_writes = 0  # cross_peer registrations whose WRITE landed in the lent blocks
+        self.huge_tp_accepted = 0
+        self.long_prompts: list[str] = []
         self.faults: Counter[str] = Counter()
         self.attacks: Counter[str] = Counter()  # attacker frames sent, by attack kind
         self.captured: list[bytes] = []
@@ -53,6 +64,13 @@ class Soak:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        if self.heal_at and now >= self.heal_at:
+            self.heal_at = 0.0
+            self.relay.heal()
+        for at, blocks in list(self.lent):
+            if now >= at and self.kids.decode is not None and not self.kids.decode.stopped_until:
+                self.lent.remove((at, blocks))
+                self.kids.send(self.kids.decode, ("audit_lent", blocks))
         for at, kind in list(self.pending_attacks):
             if now >= at:
                 self.pending_attacks.remove((at, kind))
@@ -70,6 +88,18 @@ class Soak:
             self.book.on_result(p.gen, rid, ok, reason, blocks, wrong, known)
         elif kind == "stale":
             self.book.on_stale(msg[1], msg[2], msg[3])
+        elif kind == "lent_audit":
+            _, dirty, blocks = msg
+            if dirty:
+                self.cross_peer_writes += 1
+                self.book.log.append(f"cross-peer registration wrote {dirty} bytes into lent blocks {blocks}")
+            self.book.d_alloc.free(blocks)
+        elif kind == "held_attack":
+            _, what, nframes, accepted, blocks = msg
+            self.attacks[what] += nframes
+            self.huge_tp_accepted += accepted
+            if blocks:
+                self.lent.append((time.monotonic() + CROSS_AUDIT_S, blocks))
         elif kind == "captured":
             self.captured, self.captures = msg[1], self.captures + 1
         elif kind == "attacked":
@@ -129,10 +159,54 @@ class Soak:
             cands = [r for r in live if r.last_blocks in r.d_held]
             if not cands or not self._expect(self.rng.choice(cands)):
                 return
+        elif kind == "reset_side_channel":
+            self.relay.reset()
+            if not self.heal_at and self.rng.random() < 0.5:  # and nothing gets through for a while
+                self.relay.blackhole = True
+                self.heal_at = time.monotonic() + self.rng.uniform(0.2, 2.0)
+        elif kind == "long_prompt":
+            if not self._long_prompt():
+                return
+        elif kind in ("cross_peer", "huge_tp"):
+            if not self._holder_attack(kind):
+                return
         else:
             self.attack(kind)
             return
         self.faults[kind] += 1
+
+    def _long_prompt(self) -> bool:
+        """An extra request of many blocks (a quarter of the decode's pool)."""
+        assert self.kids.prefill is not None
+        n = self.book.d_geo.num_blocks * self.book.d_geo.block_size // 4
+        rid = f"long-{len(self.long_prompts)}"
+        p_blocks = self.book.open(rid, n, 60_000 + len(self.long_prompts), self.kids.prefill.gen)
+        if p_blocks is None:
+            return False
+        self.long_prompts.append(rid)
+        r = self.book.reqs[rid]
+        self._expect(r)
+        self.kids.send(self.kids.prefill, ("prefill", r.rid, p_blocks, n, r.tag))
+        return True
+
+    def _holder_attack(self, kind: str) -> bool:
+        """A key holder's attack (cross_peer needs two live requests and blocks to lend it)."""
+        assert self.kids.attacker is not None
+        self.capture()
+        targets: list[tuple[str, int]] = []
+        blocks: list[int] = []
+        if kind == "cross_peer":
+            live = [r for r in self.book.live() if r.d_held]
+            if len(live) < 2:
+                return False
+            a, b = self.rng.sample(live, 2)
+            need = -(-a.n // self.book.d_geo.block_size)
+            if not self.book.d_alloc.can_allocate(need):
+                return False
+            blocks = self.book.d_alloc.allocate(need)
+            targets = [(a.rid, a.n), (b.rid, b.n)]
+        self.kids.send(self.kids.attacker, ("holder", kind, targets, blocks, self.captured))
+        return True
 
     def _stop(self, p: Proc) -> bool:
         """SIGSTOP a child, sometimes past the peer timeout; False if it is stopped already."""
@@ -213,8 +287,9 @@ class Soak:
         cfg = soak_config("x", 0)
         bound = cfg.leases.ready_timeout_s + cfg.leases.write_bound_s + 2 * cfg.liveness.peer_timeout_s + 5.0
         deadline = time.monotonic() + bound
-        while time.monotonic() < deadline and (self.book.live() or self.pending_attacks):
+        while time.monotonic() < deadline and (self.book.live() or self.pending_attacks or self.lent):
             self.pump(0.02)
+        self.relay.heal()
         self.kids.thaw_all()
         self.pump(0.05)
         deadline = time.monotonic() + bound
@@ -242,3 +317,4 @@ class Soak:
 
     def close(self) -> None:
         self.kids.close()
+        self.relay.close()

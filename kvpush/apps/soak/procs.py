@@ -125,6 +125,9 @@ def decode_main(
                 elif cmd[0] == "audit":
                     marked = [b for b in cmd[1] if count_dirty_bytes(buf, layout, [b])]
                     conn.send(("audit", count_dirty_bytes(buf, layout, cmd[1]), marked[:20]))
+                elif cmd[0] == "audit_lent":  # blocks lent to a cross-peer attack: written? then clean
+                    conn.send(("lent_audit", count_dirty_bytes(buf, layout, cmd[1]), cmd[1]))
+                    scrub(buf, layout, cmd[1])
                 elif cmd[0] == "stats":
                     conn.send(("stats", ep.stats(), ep.pending()))
                 elif cmd[0] == "stop":
@@ -150,19 +153,24 @@ def decode_main(
             conn.send(("bye",))
 
 
-def attacker_main(conn: Connection, port: int, self_check_key: bytes | None) -> None:
+def attacker_main(conn: Connection, port: int, self_check_key: bytes | None, holder_key: bytes) -> None:
     """The attacker: plays each attack the driver asks for and reports what it sent and what answered."""
     import zmq
 
     from kvpush.apps.soak.attacker import Attacker
 
     ctx = zmq.Context()
-    attacker = Attacker(ctx, port, self_check_key)
+    attacker = Attacker(ctx, port, self_check_key, holder_key)
     try:
         while True:
             cmd = conn.recv()
             if cmd[0] == "stop":
                 break
+            if cmd[0] == "holder":
+                _, kind, targets, blocks, captured = cmd
+                nframes, accepted = attacker.play_holder(kind, targets, blocks, captured)
+                conn.send(("held_attack", kind, nframes, accepted, blocks))
+                continue
             _, kind, rid, blocks, captured = cmd
             nframes, accepted = attacker.play(kind, rid, blocks, captured)
             conn.send(("attacked", kind, nframes, accepted))

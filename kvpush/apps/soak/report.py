@@ -22,6 +22,9 @@ class SoakRun(Protocol):
     attacks: Counter[str]
     hello_answers: int
     check: str
+    cross_peer_writes: int
+    huge_tp_accepted: int
+    long_prompts: list[str]
 
 
 FAIL_ON = (
@@ -30,7 +33,10 @@ FAIL_ON = (
     "corrupt_bytes",
     "stale_writes",
     "unauthorized_accepted",
+    "huge_tp_accepted",
+    "cross_peer_accepted",  # the ownership rule (protocol/claims.py)
 )
+REPORTED: tuple[str, ...] = ()  # figures shown but not yet held to zero
 
 # (kind, words): the first kind one of whose words the reason contains
 _REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -40,7 +46,7 @@ _REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("aborted_by_prefill", ("aborted by the prefill",)),
     ("superseded", ("superseded",)),
     ("peer_gone_or_restarted", ("is gone", "restarted", "new instance", "replaced")),
-    ("peer_silent", ("silent",)),
+    ("peer_silent", ("silent", "did not answer a handshake")),
     ("write_abandoned", ("abandoned",)),
     ("expired", ("expir", "lease")),
     ("timed_out", ("timed out",)),
@@ -85,6 +91,14 @@ def build_report(
         "corrupt_bytes": book.corrupt,
         "stale_writes": book.stale,
         "unauthorized_accepted": book.unauthorized,
+        "huge_tp_accepted": soak.huge_tp_accepted,
+        # honest requests another bound identity aborted + its registrations that wrote the lent blocks
+        "cross_peer_accepted": book.cross_peer + soak.cross_peer_writes,
+        "long_prompts": {
+            "started": len(soak.long_prompts),
+            "completed": sum(1 for rid in soak.long_prompts if book.reqs[rid].outcome == "completed"),
+            "tokens": book.reqs[soak.long_prompts[0]].n if soak.long_prompts else 0,
+        },
         "faults_injected": {k: soak.faults.get(k, 0) for k in FAULT_KINDS},
         "attacker_frames_sent": dict(soak.attacks),
         "attacker_hello_answers": soak.hello_answers,
@@ -109,8 +123,10 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> int:
     table = Table(title=f"kvpush soak: {report['requests']} requests, faults {args.faults}, seed {args.seed}")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    for key in ("requests", "completed", "unsettled", *FAIL_ON, "double_returned_blocks"):
+    for key in ("requests", "completed", "unsettled", *FAIL_ON, "double_returned_blocks", *REPORTED):
         table.add_row(key, str(report[key]))
+    longs = report["long_prompts"]
+    table.add_row("long prompts completed / started", f"{longs['completed']} / {longs['started']}")
     table.add_row("failed", str(report["failed_with_reason"]["count"]))
     for kind, count in report["failed_with_reason"]["by_kind"].items():
         table.add_row(f"  failed: {kind}", str(count))

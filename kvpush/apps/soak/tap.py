@@ -51,3 +51,6 @@ class FrameTapControl:
 
     def connect(self, host: str, port: int, max_message_bytes: int) -> ControlChannel:
         return _TapChannel(self.inner.connect(host, port, max_message_bytes), self)
+
+    def nobody_listens(self, host: str, port: int) -> bool:
+        return self.inner.nobody_listens(host, port)
