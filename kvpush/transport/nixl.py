@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -113,6 +114,19 @@ def strided_lists_supported(agent: Any) -> bool:
     expanded form works everywhere, it only costs descriptors).
     """
     buf = np.zeros(64, dtype=np.uint8)
+    # 1.3.x's wrapper logs the refusal at ERROR through its module logger: silenced for the probe only
+    quiet = getattr(sys.modules.get(type(agent).__module__), "logger", None)
+    was = quiet.disabled if isinstance(quiet, logging.Logger) else None
+    if isinstance(quiet, logging.Logger):
+        quiet.disabled = True
+    try:
+        return _try_strided_row(agent, buf)
+    finally:
+        if isinstance(quiet, logging.Logger) and was is not None:
+            quiet.disabled = was
+
+
+def _try_strided_row(agent: Any, buf: np.ndarray[Any, Any]) -> bool:
     try:
         reg = agent.register_memory([(int(buf.ctypes.data), buf.nbytes, 0, "")], "DRAM")
     except Exception:  # noqa: BLE001 - any NIXL error: a backend without host memory, the safe answer
