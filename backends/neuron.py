@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import re
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -44,6 +45,7 @@ NRT_UNINITIALIZED = 13  # nrt_status.h: an API called before nrt_init()
 NRT_CLOSED = 14  # nrt_status.h: an API called after nrt_close()
 NRT_TENSOR_PLACEMENT_HOST = 1  # nrt.h nrt_tensor_placement_t
 LIBNRT_ENV = "KVPUSH_LIBNRT"  # an explicit libnrt path (tests point it at the stand-in)
+_LIBNRT_NAME = re.compile(r"libnrt\.so(\.\d+)*")
 LIBNRT_CANDIDATES = ("/opt/aws/neuron/lib/libnrt.so.1", "libnrt.so.1")
 MAP_HBM_HELP = (
     "set NEURON_RT_MAP_HBM=1 in the environment before the Neuron runtime initialises (before the first "
@@ -54,6 +56,22 @@ MAP_HBM_HELP = (
 
 class NeuronPrerequisiteError(ConfigError):
     """A Neuron, libfabric or environment prerequisite of device-direct transfer does not hold."""
+
+
+def mapped_libnrt(maps: str | None = None) -> str | None:
+    """The path of a libnrt.so[.N] mapped into this process (from /proc/self/maps), if any."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+                maps = f.read()
+        except OSError:
+            return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if _LIBNRT_NAME.fullmatch(os.path.basename(path)):
+            return path
+    return None
 
 
 class _Version(ctypes.Structure):
@@ -83,10 +101,12 @@ class NeuronRuntime:
 
     @classmethod
     def load(cls, path: str | None = None) -> NeuronRuntime:
-        """libnrt from `path`, else $KVPUSH_LIBNRT, else /opt/aws/neuron/lib, else the loader path (where
-        vllm-neuron's torch already mapped it); NeuronPrerequisiteError when none loads."""
+        """libnrt from `path`, else $KVPUSH_LIBNRT, else the libnrt already mapped into this process (the
+        instance vLLM Neuron's torch initialised: a second copy from another path would answer "not
+        initialised"), else /opt/aws/neuron/lib, else the loader path; NeuronPrerequisiteError when none
+        loads."""
         errors = []
-        path = path or os.environ.get(LIBNRT_ENV) or None
+        path = path or os.environ.get(LIBNRT_ENV) or mapped_libnrt() or None
         for cand in (path,) if path else LIBNRT_CANDIDATES:
             try:
                 return cls(ctypes.CDLL(cand), cand)

@@ -27,6 +27,7 @@ from kvpush.backends.neuron import (
     NeuronPrerequisiteError,
     NeuronRuntime,
     check_neuron_connector,
+    mapped_libnrt,
     neuron_kv_written_barrier,
 )
 from kvpush.config import KVPushConfig
@@ -76,6 +77,18 @@ def test_initialised_asks_an_api_that_needs_nrt_init(
     assert rt.initialised()
     rt.lib.nrt_close()
     assert not rt.initialised()  # NRT_CLOSED counts as "not initialised" too
+
+
+def test_the_runtime_vllm_neuron_mapped_is_the_one_asked() -> None:
+    """A second libnrt copy loaded from another path would be a runtime nobody initialised."""
+    maps = (
+        "7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f20-7f30 r-xp 00000000 08:01 2 /venv/lib/python3.12/site-packages/libtorch_neuronx_lite/lib/libnrt.so.1\n"
+        "7f40-7f50 rw-p 00000000 00:00 0\n"
+    )
+    assert mapped_libnrt(maps) == "/venv/lib/python3.12/site-packages/libtorch_neuronx_lite/lib/libnrt.so.1"
+    assert mapped_libnrt("7f00-7f10 r-xp 00000000 08:01 1 /tmp/libnrt-standin.so\n") is None
+    assert mapped_libnrt("") is None
 
 
 # ---- prerequisites at connector start --------------------------------------------------------------------
