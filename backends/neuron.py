@@ -25,9 +25,13 @@ Not run here: no Trainium, no EFA. The stand-in exercises the probing, the check
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import re
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from kvpush.config import KVPushConfig
 from kvpush.errors import ConfigError, LayoutError
@@ -37,7 +41,11 @@ from .base import Barrier, Bytes
 
 EFA_BDF_SYMBOL = "nrt_get_attached_efa_bdf"
 EFA_BDF_MIN_RUNTIME = (2, 31, 24)  # first runtime exporting it (SDK 2.29.0)
-NRT_UNINITIALIZED = 13
+NRT_UNINITIALIZED = 13  # nrt_status.h: an API called before nrt_init()
+NRT_CLOSED = 14  # nrt_status.h: an API called after nrt_close()
+NRT_TENSOR_PLACEMENT_HOST = 1  # nrt.h nrt_tensor_placement_t
+LIBNRT_ENV = "KVPUSH_LIBNRT"  # an explicit libnrt path (tests point it at the stand-in)
+_LIBNRT_NAME = re.compile(r"libnrt\.so(\.\d+)*")
 LIBNRT_CANDIDATES = ("/opt/aws/neuron/lib/libnrt.so.1", "libnrt.so.1")
 MAP_HBM_HELP = (
     "set NEURON_RT_MAP_HBM=1 in the environment before the Neuron runtime initialises (before the first "
@@ -48,6 +56,22 @@ MAP_HBM_HELP = (
 
 class NeuronPrerequisiteError(ConfigError):
     """A Neuron, libfabric or environment prerequisite of device-direct transfer does not hold."""
+
+
+def mapped_libnrt(maps: str | None = None) -> str | None:
+    """The path of a libnrt.so[.N] mapped into this process (from /proc/self/maps), if any."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+                maps = f.read()
+        except OSError:
+            return None
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, device, inode, path
+        path = fields[5].strip() if len(fields) == 6 else ""
+        if _LIBNRT_NAME.fullmatch(os.path.basename(path)):
+            return path
+    return None
 
 
 class _Version(ctypes.Structure):
@@ -77,9 +101,12 @@ class NeuronRuntime:
 
     @classmethod
     def load(cls, path: str | None = None) -> NeuronRuntime:
-        """libnrt from `path`, else /opt/aws/neuron/lib, else the loader path (where vllm-neuron's torch
-        already mapped it); NeuronPrerequisiteError when none loads."""
+        """libnrt from `path`, else $KVPUSH_LIBNRT, else the libnrt already mapped into this process (the
+        instance vLLM Neuron's torch initialised: a second copy from another path would answer "not
+        initialised"), else /opt/aws/neuron/lib, else the loader path; NeuronPrerequisiteError when none
+        loads."""
         errors = []
+        path = path or os.environ.get(LIBNRT_ENV) or mapped_libnrt() or None
         for cand in (path,) if path else LIBNRT_CANDIDATES:
             try:
                 return cls(ctypes.CDLL(cand), cand)
@@ -97,9 +124,38 @@ class NeuronRuntime:
         return int(v.rt_major), int(v.rt_minor), int(v.rt_patch), int(v.rt_maintenance)
 
     def initialised(self) -> bool:
-        """Whether the runtime is up (its getters return NRT_UNINITIALIZED before nrt_init)."""
-        n = ctypes.c_uint32(0)
-        return int(self.lib.nrt_get_visible_nc_count(ctypes.byref(n))) != NRT_UNINITIALIZED
+        """Whether the runtime is between nrt_init() and nrt_close().
+
+        nrt_status.h documents NRT_UNINITIALIZED (13) and NRT_CLOSED (14) as the "unique retcodes to help
+        the caller identify when nrt apis are called outside the scope of nrt_init() and nrt_close()";
+        the count getters (nrt_get_visible_nc_count and friends) are documented in nrt.h as callable
+        before nrt_init(), so they answer either way and cannot tell. Asked instead: a pure query that
+        is not marked so, nrt_get_vnc_memory_stats(vnc 0) (vLLM Neuron's workers see their one core as
+        0); on a runtime without it, allocating and freeing a one-byte host tensor (nrt_tensor_allocate,
+        placement HOST, vnc -1). Any status but 13 / 14 means the call ran inside init's scope.
+        """
+        if self.has_symbol("nrt_get_vnc_memory_stats"):
+            stats = (ctypes.c_size_t * 2)()
+            written = ctypes.c_size_t(0)
+            rc = int(
+                self.lib.nrt_get_vnc_memory_stats(
+                    ctypes.c_uint32(0), ctypes.byref(stats), ctypes.sizeof(stats), ctypes.byref(written)
+                )
+            )
+        else:
+            handle = ctypes.c_void_p()
+            rc = int(
+                self.lib.nrt_tensor_allocate(
+                    NRT_TENSOR_PLACEMENT_HOST,
+                    -1,
+                    ctypes.c_size_t(1),
+                    b"kvpush-init-probe",
+                    ctypes.byref(handle),
+                )
+            )
+            if rc == 0 and handle.value:
+                self.lib.nrt_tensor_free(ctypes.byref(handle))
+        return rc not in (NRT_UNINITIALIZED, NRT_CLOSED)
 
     def attached_efa_bdf(self, va: int) -> str | None:
         """The PCI address of the EFA attached to the device owning `va` (None when the query fails)."""
@@ -216,31 +272,66 @@ def check_neuron_prerequisites(
         check_backend(agent, "LIBFABRIC", ["VRAM"])
 
 
-def neuron_kv_written_barrier(torch_module: Any = None) -> Barrier:
-    """The "KV of this step is in HBM" barrier, recorded on the engine thread without waiting.
+def check_neuron_connector(
+    regions: Sequence[Region],
+    *,
+    single_host: bool,
+    runtime: NeuronRuntime | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """The prerequisites a vLLM worker checks when the connector starts on Neuron device memory, refusing
+    by name what `kvpush doctor` would report: HBM mapping (NEURON_RT_MAP_HBM=1), an initialised runtime
+    exporting the EFA lookup, and, when prefill and decode share this host, FI_EFA_ENABLE_SHM_TRANSFER=0
+    (libfabric's shm provider cannot copy Neuron memory: wrong output, no error).
 
-    Uses torch's device-generic event (`torch.Event("neuron")`) where torch-neuronx implements it, else
-    a device synchronise run later on the push thread. Unverified on hardware (no Trainium here).
+    Runs before the NIXL agent exists (the endpoint creates it next); LIBFABRIC and VRAM are checked when
+    the agent is created (kvpush.transport.nixl.check_backend). `runtime` defaults to NeuronRuntime.load().
     """
-    if torch_module is None:
-        import torch as torch_module
-    event_cls = getattr(torch_module, "Event", None)
-    if event_cls is not None:
-        try:
-            ev = event_cls(device="neuron")
-            ev.record()
-        except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-            pass
-        else:
-            sync: Barrier = ev.synchronize
-            return sync
-    neuron = getattr(torch_module, "neuron", None)
-    synchronize = getattr(neuron, "synchronize", None)
-    if callable(synchronize):
-        return lambda: synchronize()
-    raise NeuronPrerequisiteError(
-        "torch has no Neuron event or synchronize: cannot build a KV-written barrier"
+    env = os.environ if environ is None else environ
+    if env.get("NEURON_RT_MAP_HBM") != "1":  # first: it needs no runtime to say
+        raise NeuronPrerequisiteError(
+            f"NEURON_RT_MAP_HBM is {env.get('NEURON_RT_MAP_HBM')!r} in the vLLM worker; {MAP_HBM_HELP}"
+        )
+    if single_host and env.get("FI_EFA_ENABLE_SHM_TRANSFER") != "0":
+        raise NeuronPrerequisiteError(
+            "prefill and decode share this host: set FI_EFA_ENABLE_SHM_TRANSFER=0 in both engines' "
+            "environment (libfabric's shm provider cannot copy Neuron memory and requests produce wrong "
+            f"output); it is {env.get('FI_EFA_ENABLE_SHM_TRANSFER')!r}"
+        )
+    check_neuron_prerequisites(
+        runtime if runtime is not None else NeuronRuntime.load(),
+        single_host=single_host,
+        regions=regions,
+        environ=env,
     )
+
+
+def neuron_kv_written_barrier(reads: Sequence[Callable[[], object]]) -> Barrier:
+    """The "KV of this step is in HBM" barrier: read a few bytes of every KV region back to the host.
+
+    Why a read-back: vLLM Neuron runs a step as a NEFF submitted to the Neuron runtime's in-order
+    execution queue, with the KV cache aliased in and out of the compiled graph, and learns that a
+    step's outputs are complete by reading an output back: `AsyncNeuronModelRunnerOutput.get_output()`
+    in vllm_neuron/vllm/worker/neuron_model_runner.py (vllm-project/vllm-neuron @9fc042ea) calls
+    `sampled_token_ids.cpu()`, "a blocking call that waits until the results are ready", and reads
+    even discarded chunk outputs back "to drain the segment NEFF from the NRT execution queue". The
+    runtime tracks tensors that pending executions write and blocks reads of them (nrt.h's batch
+    read/write take an `unsafe` flag to "skip tensor tracking/blocking"), so a read of a KV tensor
+    issued after the step was submitted returns once the NEFF that writes it has finished.
+
+    Built on the engine thread at hand-off (no wait: the closures are only collected) and called on
+    the push thread before the WRITE is posted. Unverified on hardware (docs/backends.md): that
+    libtorch_neuronx_lite's device->host copy of an aliased KV tensor goes through the tracked read.
+    """
+    pending = tuple(reads)
+    if not pending:
+        raise NeuronPrerequisiteError("a Neuron KV-written barrier needs at least one KV region to read back")
+
+    def wait() -> None:
+        for read in pending:
+            read()
+
+    return wait
 
 
 class NeuronKVCache:
@@ -271,7 +362,7 @@ class NeuronKVCache:
                 )
         self.layout = layout
         self._read, self._write = read, write
-        self._barrier = barrier if barrier is not None else neuron_kv_written_barrier
+        self._barrier = barrier if barrier is not None else self._readback_barrier
         self._keepalive = keepalive
 
     @property
@@ -284,6 +375,13 @@ class NeuronKVCache:
 
     def kv_written_barrier(self) -> Barrier | None:
         return self._barrier()
+
+    def _readback_barrier(self) -> Barrier:
+        """One byte of every region read back through this cache's own device -> host copy."""
+        probe = np.empty(1, dtype=np.uint8)
+        return neuron_kv_written_barrier(
+            [functools.partial(self._read, i, 0, probe) for i in range(len(self.layout.regions))]
+        )
 
     def read_into(self, region: int, offset: int, out: Bytes) -> None:
         self._read(region, offset, out)
@@ -326,7 +424,7 @@ class NeuronKVCache:
         def write(region: int, offset: int, src: Bytes) -> None:
             runtime.tensor_write(handles[region], offset, src)
 
-        cache = cls(layout, read, write, barrier=barrier or (lambda: None), keepalive=handles)
+        cache = cls(layout, read, write, barrier=barrier, keepalive=handles)
         cache.handles = handles
         cache.runtime = runtime
         return cache
@@ -336,8 +434,8 @@ class NeuronKVCache:
         """vllm-neuron's KV tensors (one per region, in region order, as the layout probe placed them).
 
         Host copies go through torch on flat uint8 views of the tensors' storages; a host -> device copy
-        is followed by the device barrier so it is complete before the request is reported ready.
-        Unverified on hardware.
+        is followed by a read-back of the same bytes (the barrier's mechanism) so it is complete before
+        the request is reported ready. Unverified on hardware.
         """
         import torch
 
@@ -350,7 +448,7 @@ class NeuronKVCache:
 
         def write(region: int, offset: int, src: Bytes) -> None:
             flat[region][offset : offset + src.nbytes].copy_(torch.from_numpy(src))
-            neuron_kv_written_barrier(torch)()
+            flat[region][offset : offset + 1].cpu()
 
         return cls(layout, read, write, keepalive=tensors)
 

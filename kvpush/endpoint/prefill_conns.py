@@ -26,7 +26,7 @@ from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
 from ..protocol.tp import check_peer_tp, receivers_for
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
-from ..transport.base import PreparedList, Transport
+from ..transport.base import PreparedList, Transport, listed_descriptors
 from .admission import Admission, Pending, SenderView
 from .control import ControlListener
 from .stats import Count, Ledger
@@ -365,6 +365,12 @@ class DecodeConnections:
             local = self.transport.prepare(None, units.s.rows, self.mem_type)
             remote = self.transport.prepare(peer.agent, units.d.rows, self.mem_type)
             prepared = Prepared(units, local, remote)
+            strided = self.transport.strided_lists
+            self.ledger.add(Count.PREPARED_LISTS, 2)
+            self.ledger.add(
+                Count.PREPARED_DESCRIPTORS,
+                listed_descriptors(units.s.rows, strided) + listed_descriptors(units.d.rows, strided),
+            )
         except (LayoutError, TransportError) as exc:
             log.warning(
                 "kvpush prefill: no prepared lists for %s (%s); posting descriptor lists", peer.agent, exc

@@ -65,6 +65,8 @@ class Count(enum.Enum):
     PEERS_GONE = "peers_gone"
     WRITE_TIMEOUTS = "write_timeouts"
     NUDGES = "nudges"
+    PREPARED_LISTS = "prepared_lists"  # descriptor lists prepared at handshake (two per pair)
+    PREPARED_DESCRIPTORS = "prepared_descriptors"  # descriptors the data plane holds in them
 
 
 class High(enum.Enum):
@@ -125,6 +127,10 @@ class Counters:
     inflight_descriptors_max: int = 0
     inflight_writes_max: int = 0
     nudges: int = 0
+    # prepared lists and the descriptors they hold: one per strided row where the data plane takes
+    # strided lists (NIXL >= 1.5), one per unit where it does not (NIXL 1.3.x expands them)
+    prepared_lists: int = 0
+    prepared_descriptors: int = 0
 
 
 class Ledger:

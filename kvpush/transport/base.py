@@ -24,6 +24,30 @@ Rows = npt.NDArray[np.int64]
 Indices = npt.NDArray[np.int32]
 
 
+def expand_rows(rows: Rows) -> Descs:
+    """N x 3 rows as they are; N x 5 strided rows expanded to one descriptor per (row, i < count)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    if rows.ndim != 2 or rows.shape[1] not in (3, 5):
+        raise TransportError(f"a prepared list takes N x 3 or N x 5 rows, not shape {rows.shape}")
+    if rows.shape[1] == 3:
+        return rows
+    counts = rows[:, 4]
+    row_of = np.repeat(np.arange(rows.shape[0]), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    k = np.arange(row_of.shape[0], dtype=np.int64) - first
+    addr = rows[row_of, 0] + k * rows[row_of, 3]
+    return np.stack((addr, rows[row_of, 1], rows[row_of, 2]), axis=1)
+
+
+def listed_descriptors(rows: Rows, strided: bool) -> int:
+    """How many descriptors a prepared list of `rows` holds in the transport: one per row where strided
+    rows are accepted as they are, else one per (row, i < count) after `expand_rows`."""
+    rows = np.asarray(rows)
+    if strided or rows.shape[1] == 3:
+        return int(rows.shape[0])
+    return int(rows[:, 4].sum())
+
+
 class XferHandle(Protocol):
     """Opaque handle of a posted transfer."""
 
@@ -36,6 +60,9 @@ class PreparedList(Protocol):
 @runtime_checkable
 class Transport(Protocol):
     name: str
+    # Whether prepare() hands N x 5 strided rows to the data plane as they are (NIXL >= 1.5) or expands
+    # them to one descriptor per unit first (NIXL 1.3.x accepts only N x 3); prepared indices are the same.
+    strided_lists: bool
 
     def register(self, regions: Sequence[Region], mem_type: str) -> None: ...
     def metadata(self) -> bytes: ...

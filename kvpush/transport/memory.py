@@ -16,10 +16,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..protocol.layout import Region
-from .base import Descs, Indices, Rows, TransportError, XferState
+from .base import Descs, Indices, Rows, TransportError, XferState, expand_rows
 
 
 @dataclass
@@ -37,21 +35,6 @@ class _Prepared:
 
     peer: str | None
     descs: Descs
-
-
-def expand_rows(rows: Rows) -> Descs:
-    """N x 3 rows as they are; N x 5 strided rows expanded to one descriptor per (row, i < count)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if rows.ndim != 2 or rows.shape[1] not in (3, 5):
-        raise TransportError(f"a prepared list takes N x 3 or N x 5 rows, not shape {rows.shape}")
-    if rows.shape[1] == 3:
-        return rows
-    counts = rows[:, 4]
-    row_of = np.repeat(np.arange(rows.shape[0]), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    k = np.arange(row_of.shape[0], dtype=np.int64) - first
-    addr = rows[row_of, 0] + k * rows[row_of, 3]
-    return np.stack((addr, rows[row_of, 1], rows[row_of, 2]), axis=1)
 
 
 @dataclass
@@ -86,8 +69,11 @@ class MemoryHub:
 
 
 class MemoryTransport:
-    def __init__(self, name: str, hub: MemoryHub) -> None:
+    def __init__(self, name: str, hub: MemoryHub, strided_lists: bool = True) -> None:
+        """strided_lists=False stands for a data plane without strided lists (NIXL 1.3.x): this transport
+        expands rows either way, so only what it reports changes (the endpoint's descriptor counts)."""
         self.name = name
+        self.strided_lists = strided_lists
         self.hub = hub
         self.regions: list[Region] = []
         self.peers: set[str] = set()

@@ -8,15 +8,21 @@ local runs (UCX_NET_DEVICES=lo) unless configured otherwise.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..errors import PeerGone
 from ..protocol.layout import Region
-from .base import Descs, Indices, Rows, TransportError, XferState
+from .base import Descs, Indices, Rows, TransportError, XferState, expand_rows
+
+log = logging.getLogger("kvpush")
 
 
 def prepare_environment(ucx_net_devices: str | None) -> None:
@@ -97,6 +103,48 @@ def nixl_errors(what: str) -> Iterator[None]:
         raise kind(f"{what}: {exc}") from exc
 
 
+def strided_lists_supported(agent: Any) -> bool:
+    """Whether this NIXL accepts N x 5 strided rows in prep_xfer_dlist, by trying one.
+
+    NIXL >= 1.5 prepares a strided row as `count` descriptors; 1.3.x's wrapper sends every list through
+    get_xfer_descs, which takes N x 3 only, logs "Nx3 shape required" and hands None on, so the binding
+    raises TypeError. A feature probe instead of a version string: a build with the feature back-ported
+    (or removed) is told apart by what it does. The probe registers 64 bytes of host memory, prepares a
+    one-row strided list over it and releases both; any failure other than success counts as "no" (the
+    expanded form works everywhere, it only costs descriptors).
+    """
+    buf = np.zeros(64, dtype=np.uint8)
+    # 1.3.x's wrapper logs the refusal at ERROR through its module logger: silenced for the probe only
+    quiet = getattr(sys.modules.get(type(agent).__module__), "logger", None)
+    was = quiet.disabled if isinstance(quiet, logging.Logger) else None
+    if isinstance(quiet, logging.Logger):
+        quiet.disabled = True
+    try:
+        return _try_strided_row(agent, buf)
+    finally:
+        if isinstance(quiet, logging.Logger) and was is not None:
+            quiet.disabled = was
+
+
+def _try_strided_row(agent: Any, buf: np.ndarray[Any, Any]) -> bool:
+    try:
+        reg = agent.register_memory([(int(buf.ctypes.data), buf.nbytes, 0, "")], "DRAM")
+    except Exception:  # noqa: BLE001 - any NIXL error: a backend without host memory, the safe answer
+        return False
+    try:
+        row = np.array([[int(buf.ctypes.data), 16, 0, 16, 4]], dtype=np.int64)
+        handle = agent.prep_xfer_dlist("NIXL_INIT_AGENT", row, "DRAM")
+    except Exception:  # noqa: BLE001 - 1.3.x raises TypeError; any other refusal means "no" as well
+        return False
+    else:
+        with contextlib.suppress(Exception):
+            agent.release_dlist_handle(handle)
+        return True
+    finally:
+        with contextlib.suppress(Exception):
+            agent.deregister_memory(reg)
+
+
 def _seg(mem_type: str) -> str:
     """'VRAM' and 'VRAM_SEG' name the same memory type (the bindings report the _SEG form)."""
     return mem_type.upper().removesuffix("_SEG")
@@ -128,7 +176,8 @@ class NixlTransport:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise TransportError(
-                f"NIXL is not importable ({exc}); install it with: pip install 'kvpush[nixl]'"
+                f"NIXL is not importable ({exc}); install it with: pip install 'kvpush[nixl]' "
+                "(1.5.1 and 1.3.2 are tested)"
             ) from exc
         chosen = selected_backends(backends, environ)
         params = backend_params or {}
@@ -159,6 +208,13 @@ class NixlTransport:
             check_backend(self._agent, backend, mem_types)
         self.backends = chosen
         self.name = name
+        self.strided_lists = strided_lists_supported(self._agent)
+        if not self.strided_lists:
+            log.warning(
+                "kvpush: NIXL agent %s takes no strided descriptor lists (NIXL < 1.5): prepared lists are "
+                "expanded to one descriptor per unit (block or block x head, per plane)",
+                name,
+            )
         self._registered: list[Any] = []
         self._tls = threading.local()
 
@@ -201,8 +257,11 @@ class NixlTransport:
     # ---- prepared lists: prepared once per peer, then one make_prepped_xfer per request --------------
     def prepare(self, peer: str | None, rows: Rows, mem_type: str) -> Any:
         """prep_xfer_dlist over N x 3 or N x 5 (strided) rows; the strided form keeps a whole plane of a
-        large cache in one row instead of one descriptor per block."""
+        large cache in one row instead of one descriptor per block. Where this NIXL takes no strided
+        lists, strided rows are expanded first (the same descriptors, in the same index order)."""
         who = "NIXL_INIT_AGENT" if peer is None else peer
+        if not self.strided_lists and rows.shape[1] == 5:
+            rows = expand_rows(rows)
         with nixl_errors(
             f"NIXL could not prepare a {rows.shape[0]}-row descriptor list for "
             f"{'local memory' if peer is None else repr(peer)}"

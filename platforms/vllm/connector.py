@@ -93,6 +93,8 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = PrefillWorker(self.settings, vllm_config)
         else:
             self._worker = DecodeWorker(self.settings, vllm_config)
+        if self._worker is not None:
+            self._worker.kv_cache_config = kv_cache_config  # hybrid KV cache groups are refused by the probe
 
     def _scheduler(self) -> PrefillScheduler | DecodeScheduler:
         if self._sched is None:

@@ -10,6 +10,9 @@ moves the wrong bytes. So the meaning of every dim comes from the backend:
 * `declaration_from_backend(backend_cls)` calls `get_kv_cache_shape` with four distinct sizes and reads
   which dim is which from the answer (plus `get_kv_cache_stride_order`, where present, as a cross-check
   of the tensors' strides). vllm-neuron and vLLM < 0.32 backends declare this way.
+* vllm-neuron's attention lives in its modelling code, so vLLM's per-layer lookup finds no backend class
+  there: Neuron tensors (device type `neuron` / `privateuseone`) take vllm-neuron's declaration by their
+  device (`declaration_for_device`), never by their shape.
 * vLLM >= 0.32 (RFC #42082) has no per-backend shape: every per-layer view is the logical 4D
   `[B, H, N, C]` (C = K then V of one (head, token)), with the physical order in its strides (the CPU
   backend uses LBHNC, FlashInfer LBHNC/BLHNC). `RFC_VIEW` is that declaration.
@@ -29,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvpush.backends.select import NEURON_DEVICE_TYPES
 from kvpush.protocol.layout import KVLayout, LayoutError, Plane, Region
 
 Axis = Literal["kv", "block", "head", "token", "dim", "content"]
@@ -126,6 +130,20 @@ def declaration_from_backend(backend: Any) -> KVCacheDeclaration | None:
         except (NotImplementedError, TypeError):
             stride_order = None
     return KVCacheDeclaration(name, tuple(axes), stride_order, split_content=name == "CPU_ATTN")
+
+
+def declaration_for_device(device_type: str) -> KVCacheDeclaration | None:
+    """What the tensors' device implies: on Neuron, vLLM Neuron's CUSTOM backend (asked directly where
+    vllm_neuron imports, else its known declaration, `NEURON_CUSTOM`: (2, B, H, N, D), HND). vLLM
+    Neuron's attention lives in its own modelling code, so the per-layer backend lookup finds none;
+    the device then decides, never the tensor shape. None for every other device."""
+    if device_type not in NEURON_DEVICE_TYPES:
+        return None
+    try:
+        from vllm_neuron.vllm.attention.attn import NeuronAttentionBackend
+    except ImportError:
+        return NEURON_CUSTOM
+    return declaration_from_backend(NeuronAttentionBackend) or NEURON_CUSTOM
 
 
 def _backend_name(backend: Any) -> str:
@@ -245,8 +263,9 @@ def probe_layout(
     """The layout of one rank's vLLM KV cache tensors (layers in the order vLLM registered them).
 
     declared: the attention backend's declaration (`declaration_from_backend(backend_cls)`, or
-    `RFC_VIEW` / `CPU_VIEW` on vLLM >= 0.32). Without one, 4D tensors are read as the RFC view and 5D
-    tensors only where a single reading fits the head count (never silently NHD).
+    `RFC_VIEW` / `CPU_VIEW` on vLLM >= 0.32). Without one, Neuron tensors are read as vLLM Neuron
+    declares them (`declaration_for_device`), other 4D tensors as the RFC view and other 5D tensors only
+    where a single reading fits the head count (never silently NHD).
     features: refused cache properties (`features_from_vllm(vllm_config, kv_cache_config)`).
     """
     (features or CacheFeatures()).refuse_unsupported()
@@ -259,6 +278,8 @@ def probe_layout(
     split = declared.split_content if declared is not None else False
     heads_model = total_kv_heads * (2 if split else 1)
     probe_heads = KVLayout(1, 1, 1, heads_model, 1, 1, tp_rank, tp_size).num_kv_heads
+    if declared is None:
+        declared = declaration_for_device(device_type)
     if declared is None:
         if first.dim() == 4:
             declared = RFC_VIEW

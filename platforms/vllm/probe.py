@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 from typing import TYPE_CHECKING, Any
 
+from kvpush.backends.neuron import check_neuron_connector
 from kvpush.backends.select import CacheSetup, setup_for_tensors
+from kvpush.config import LOOPBACK
 from kvpush.protocol.layout import KVLayout
 
 from .layout_probe import (
     CPU_VIEW,
     RFC_VIEW,
     KVCacheDeclaration,
+    declaration_for_device,
     declaration_from_backend,
     features_from_vllm,
     probe_layout,
@@ -54,9 +58,14 @@ def attention_backend(vllm_config: VllmConfig, kv_caches: dict[str, Any]) -> tup
 
 def declared_layout(name: str, cls: Any, first_tensor: Any) -> KVCacheDeclaration | None:
     """What the backend declares about its KV tensors: its own get_kv_cache_shape where it has one
-    (vllm-neuron, older vLLM), else vLLM >= 0.32's per-layer [B, H, N, C] view (the CPU backend reads a
-    head's block as [2N, C/2]); None leaves the probe to refuse anything ambiguous."""
+    (older vLLM), else what the tensors' device implies (Neuron: vLLM Neuron's CUSTOM backend, whose
+    attention lives in its modelling code, so the layer lookup finds no class), else vLLM >= 0.32's
+    per-layer [B, H, N, C] view (the CPU backend reads a head's block as [2N, C/2]); None leaves the
+    probe to refuse anything ambiguous."""
     declared = declaration_from_backend(cls) if cls is not None else None
+    if declared is not None:
+        return declared
+    declared = declaration_for_device(str(first_tensor.device.type))
     if declared is not None:
         return declared
     if name == CPU_BACKEND:
@@ -89,9 +98,32 @@ class ProbedCache:
         return self.setup.cache.kv_written_barrier()
 
 
+def shares_host(settings: ConnectorSettings) -> bool:
+    """Whether prefill and decode run on this one host, as far as the connector's config says: a prefill
+    side channel on loopback (only local decodes can reach it), or a decode whose configured prefill
+    addresses are loopback or one of this host's own addresses."""
+    hosts = (
+        [settings.config.side_channel.host]
+        if settings.is_producer
+        else [a.host for a in settings.prefill_addresses]
+    )
+    own = set(LOOPBACK) | {"127.0.1.1"}
+    try:
+        name = socket.gethostname()
+        own |= {name, *socket.gethostbyname_ex(name)[2]}
+    except OSError:
+        pass
+    return any(h in own or h.startswith("127.") for h in hosts)
+
+
 def probe_kv_caches(
-    settings: ConnectorSettings, vllm_config: VllmConfig, kv_caches: dict[str, Any]
+    settings: ConnectorSettings,
+    vllm_config: VllmConfig,
+    kv_caches: dict[str, Any],
+    kv_cache_config: Any = None,
 ) -> ProbedCache:
+    """kv_cache_config: the connector's (vLLM passes it to connectors it constructs with one); its
+    KV cache groups decide whether a hybrid cache is refused."""
     rank = tensor_parallel_rank()
     backend, backend_cls = attention_backend(vllm_config, kv_caches)
     first = next(iter(kv_caches.values()))
@@ -103,7 +135,7 @@ def probe_kv_caches(
         tp_size=settings.tp_size,
         model_tag=model_tag(vllm_config, settings.model_tag),
         declared=declared_layout(backend, backend_cls, first),
-        features=features_from_vllm(vllm_config),
+        features=features_from_vllm(vllm_config, kv_cache_config),
     )
     layout, ratio = probed.layout, probed.blocks_per_vllm_block
     if backend == CPU_BACKEND:
@@ -113,6 +145,9 @@ def probe_kv_caches(
     ktc = vllm_config.kv_transfer_config
     kv_buffer_device = str(getattr(ktc, "kv_buffer_device", None) or "cpu")
     setup = setup_for_tensors(layout, kv_caches, kv_buffer_device)
+    if setup.choice.backend == "neuron" and not setup.choice.staged:
+        # before the endpoint creates its NIXL agent: refused by name here, not only in kvpush doctor
+        check_neuron_connector(layout.regions, single_host=shares_host(settings))
     mem_type = setup.mem_type
     log.warning(
         "kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "

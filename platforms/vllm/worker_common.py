@@ -29,6 +29,7 @@ class WorkerBase:
     def __init__(self, settings: ConnectorSettings, vllm_config: VllmConfig) -> None:
         self.settings = settings
         self.vllm_config = vllm_config
+        self.kv_cache_config: Any = None  # the connector's, set by it: its groups refuse a hybrid cache
         self.kv_caches: dict[str, Any] = {}
         self.cache: ProbedCache | None = None
         self.waker: IdleWaker | None = None
@@ -42,7 +43,7 @@ class WorkerBase:
 
     def probe(self, kv_caches: dict[str, Any]) -> ProbedCache:
         self.kv_caches = kv_caches
-        self.cache = probe_kv_caches(self.settings, self.vllm_config, kv_caches)
+        self.cache = probe_kv_caches(self.settings, self.vllm_config, kv_caches, self.kv_cache_config)
         return self.cache
 
     def start_stats(self) -> None:

@@ -17,6 +17,7 @@ from kvpush.backends.neuron import NeuronRuntime
 SOURCE = Path(__file__).parent / "standin" / "libnrt_standin.c"
 OLD_RUNTIME = (
     "-DSTANDIN_NO_EFA_BDF",
+    "-DSTANDIN_NO_MEMORY_STATS",
     "-DSTANDIN_RT_MAJOR=2",
     "-DSTANDIN_RT_MINOR=30",
     "-DSTANDIN_RT_PATCH=0",
@@ -33,7 +34,8 @@ def standin_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, flags in (("current", ()), ("old", OLD_RUNTIME)):
         so = out / f"libnrt_standin_{name}.so"
         subprocess.run(
-            [gcc, "-shared", "-fPIC", "-O1", "-Wall", *flags, "-o", str(so), str(SOURCE)], check=True
+            [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-pthread", *flags, "-o", str(so), str(SOURCE)],
+            check=True,
         )
         builds[name] = so
     return builds

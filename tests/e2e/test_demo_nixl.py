@@ -45,6 +45,8 @@ def test_demo_both_orders_different_block_sizes(tmp_path):
     assert res["event_orders"]["registration_first"] > 0 and res["event_orders"]["prefill_first"] > 0
     assert res["bytes"] > 0 and res["wire_errors"] == 0
     assert res["descriptors"] > 0
+    # the prepared path (not the per-request descriptor-list fallback) on every NIXL: 1.3.x expands
+    assert res["prepared_lists"] > 0 and res["prepared_descriptors"] >= res["prepared_lists"]
     free_p, total_p = res["blocks_free_after"]["prefill"]
     free_d, total_d = res["blocks_free_after"]["decode"]
     assert free_p == total_p and free_d == total_d, "a block was not released"

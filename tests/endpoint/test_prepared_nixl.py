@@ -14,6 +14,7 @@ from kvpush.apps.demo.procs import Geometry, make_cache
 from kvpush.apps.ports import free_port_range as _free_port_range
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.transport.base import listed_descriptors
 
 pytestmark = pytest.mark.e2e
 
@@ -33,17 +34,21 @@ def _wait(eps, n, timeout=30.0):
 
 
 @pytest.mark.parametrize(
-    "p_bs, d_bs, p_tp, d_tp, order, block_major",
+    "p_bs, d_bs, p_tp, d_tp, order, block_major, expand",
     [
-        (16, 32, 1, 1, "NHD", False),
-        (16, 16, 1, 1, "NHD", True),
-        (16, 32, 1, 1, "HND", True),
-        (32, 16, 2, 1, "HND", False),
-        (16, 16, 1, 2, "NHD", False),
-        (16, 16, 2, 1, "NHD", True),
+        (16, 32, 1, 1, "NHD", False, False),
+        (16, 16, 1, 1, "NHD", True, False),
+        (16, 32, 1, 1, "HND", True, False),
+        (32, 16, 2, 1, "HND", False, False),
+        (16, 16, 1, 2, "NHD", False, False),
+        (16, 16, 2, 1, "NHD", True, False),
+        # NIXL 1.3.x's path on any NIXL: strided rows expanded to one descriptor per unit
+        (16, 32, 2, 1, "HND", False, True),
     ],
 )
-def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major):
+def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, expand, monkeypatch):
+    if expand:
+        monkeypatch.setattr("kvpush.transport.nixl.strided_lists_supported", lambda agent: False)
     common = dict(layers=3, total_kv_heads=2, head_dim=8, dtype_size=2, token_order=order)
     pg = Geometry(block_size=p_bs, num_blocks=64, tp_size=p_tp, block_major=block_major, **common)
     dg = Geometry(block_size=d_bs, num_blocks=64, tp_size=d_tp, block_major=block_major, **common)
@@ -95,6 +100,15 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major):
                 p.prepared and all(v is not None for v in p.prepared.values()) for p in peers
             )
             assert ep.stats()["descriptors"] > 0
+            # what the prepared lists hold: strided rows on NIXL >= 1.5, one descriptor per unit on 1.3.x
+            strided = ep._push.conns.transport.strided_lists
+            assert not (expand and strided)
+            want = sum(
+                listed_descriptors(v.units.s.rows, strided) + listed_descriptors(v.units.d.rows, strided)
+                for p in peers
+                for v in p.prepared.values()
+            )
+            assert ep.stats()["prepared_descriptors"] == want > 0
     finally:
         for ep in de + pe:
             ep.close()

@@ -123,9 +123,10 @@ def test_vllm_neuron_cache_is_read_as_declared_hnd_two_planes_per_layer() -> Non
 
 def test_ambiguous_heads_equal_block_size_is_refused_without_a_declaration() -> None:
     """32 heads per rank and block size 32: (2,B,H,N,D) and (2,B,N,H,D) both fit. The old probe took it as
-    NHD silently (moving the wrong bytes for vllm-neuron); now it is refused, and the declaration decides."""
+    NHD silently (moving the wrong bytes for vllm-neuron); now it is refused, and the declaration decides.
+    (Tensors on a Neuron device are declared by their device: tests/backends/test_neuron_findings.py.)"""
     tensors = _neuron_caches(2, 8, 32, 32, 16)
-    caches = {f"l{i}": NeuronStandInTensor(t) for i, t in enumerate(tensors)}
+    caches = {f"l{i}": t for i, t in enumerate(tensors)}  # a device that implies no declaration
     kw: dict[str, Any] = dict(block_size=32, total_kv_heads=32, tp_rank=0, tp_size=1)
     assert declared_layout("", None, caches["l0"]) is None  # the connector's path: no backend class
     with pytest.raises(LayoutError, match="reads as .* HND .* NHD"):

@@ -393,6 +393,9 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
         "references_over": "rank 0 -> rank 0 share, one request at a time, post -> decode notification",
         "descriptors": pst["descriptors"],
         "blocks": pst["blocks"],
+        # descriptors held in prepared lists: strided rows (NIXL >= 1.5) or one per unit (1.3.x)
+        "prepared_lists": pst["prepared_lists"],
+        "prepared_descriptors": pst["prepared_descriptors"],
         "ready_after_prefill_ms": {
             "p50": round(statistics.median(lat), 3) if lat else 0.0,
             "p99": round(_p99(lat), 3),
