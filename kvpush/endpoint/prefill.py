@@ -370,7 +370,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.side_channel.host, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.advertised, self._push.bound_port - self.layout.tp_rank
 
     def prefill_done(
         self,
