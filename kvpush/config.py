@@ -254,7 +254,7 @@ class Security(_Group, frozen=True):
     ] = ()
 
     def __post_init__(self) -> None:
-        loaded, source = _key_from_file_or_env(self.hmac_key_file)
+        loaded, source = key_from_file_or_env(self.hmac_key_file)
         if loaded is not None:
             # A copy (replace) of a config already holds the key it loaded: the same key is no conflict.
             if self.hmac_key is not None and self.hmac_key != loaded:
@@ -289,8 +289,9 @@ def _decode_key(text: str, source: str) -> bytes:
         ) from None
 
 
-def _key_from_file_or_env(path: str | None) -> tuple[bytes | None, str]:
-    """The key from hmac_key_file or $KVPUSH_HMAC_KEY (never both) and where it came from."""
+def key_from_file_or_env(path: str | None) -> tuple[bytes | None, str]:
+    """The key from hmac_key_file or $KVPUSH_HMAC_KEY (never both) and where it came from; the same rules
+    for every holder of the key (the connector's config, `kvpush proxy --hmac-key-file`)."""
     env = os.environ.get(KEY_ENV)
     if path is not None and env is not None:
         raise ConfigError(f"hmac_key_file and ${KEY_ENV} both give a key; give it once")
