@@ -9,6 +9,7 @@ vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -71,7 +72,8 @@ class PairingServer:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the caller gave up
+                    self.wfile.write(data)
 
             def log_message(self, format: str, *args: Any) -> None:
                 return None  # the engine's log is not an access log
