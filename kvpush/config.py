@@ -22,9 +22,13 @@ import msgspec
 from msgspec import Meta
 
 from .errors import ConfigError
+from .keyfile import KEY_ENV as KEY_ENV
+from .keyfile import key_from_file_or_env as key_from_file_or_env
 
 MIN_KEY_BYTES = 16  # as kvpush.protocol.handshake.MIN_KEY_BYTES (config must not import the protocol)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
+REDACTED = "<redacted>"
 
 
 def _positive(group: msgspec.Struct, *names: str) -> None:
@@ -45,10 +49,34 @@ class SideChannel(_Group, frozen=True):
     port: Annotated[
         int, Meta(description="Prefill: rank r listens on port + r (0: any free port, for tests).")
     ] = 5600
+    advertise_host: Annotated[
+        str | None,
+        Meta(
+            description="Prefill: the address decodes are told to reach it at (null: host); needed when "
+            "host is a wildcard such as 0.0.0.0, which is never advertised."
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ConfigError(f"port {self.port} is out of range 0..65535")
+        if self.advertise_host is not None and self.advertise_host in WILDCARDS:
+            raise ConfigError(
+                f"advertise_host {self.advertise_host!r} is a wildcard; a decode cannot connect to it: "
+                "set the address decodes reach this prefill at (e.g. the node's private IP)"
+            )
+
+    @property
+    def advertised(self) -> str:
+        """The host a decode connects to; ConfigError when only a wildcard bind address is known."""
+        if self.advertise_host is not None:
+            return self.advertise_host
+        if self.host in WILDCARDS:
+            raise ConfigError(
+                f"host {self.host!r} binds every interface and cannot be advertised: set advertise_host "
+                "to the address decodes reach this prefill at"
+            )
+        return self.host
 
 
 BackendParams = dict[str, dict[str, str | int | float | bool]]
@@ -62,8 +90,12 @@ class Nixl(_Group, frozen=True):
         Meta(description="NIXL backends to create; the environment variable KVPUSH_BACKENDS overrides it."),
     ] = ("UCX",)
     ucx_net_devices: Annotated[
-        str | None, Meta(description="UCX_NET_DEVICES to set; null leaves the environment alone (clusters).")
-    ] = "lo"
+        str | None,
+        Meta(
+            description='UCX_NET_DEVICES to set if the environment has none (e.g. "lo" for one host); '
+            "null: UCX picks the devices that reach the peer."
+        ),
+    ] = None
     backend_params: Annotated[
         BackendParams,
         Meta(
@@ -194,10 +226,21 @@ class Posting(_Group, frozen=True):
 
 
 class Security(_Group, frozen=True):
-    """Authentication and who may pair: a shared secret of at least 16 bytes, the same on both sides."""
+    """Authentication and who may pair: a shared secret of at least 16 bytes, the same on both sides.
+
+    The key comes from exactly one of `hmac_key` (base64 in JSON: visible wherever the config is, e.g.
+    `ps` and vLLM's start-up log), `hmac_key_file` (a file holding it in base64, not readable by every
+    user) or the environment variable KVPUSH_HMAC_KEY (base64); the file or the variable keep it off
+    command lines. repr() and str() never show it.
+    """
 
     hmac_key: Annotated[
-        bytes | None, Meta(description="The shared key (base64 in JSON); null: unauthenticated.")
+        bytes | None,
+        Meta(description="The shared key (base64 in JSON); null: from hmac_key_file or $KVPUSH_HMAC_KEY."),
+    ] = None
+    hmac_key_file: Annotated[
+        str | None,
+        Meta(description="A file holding the shared key in base64 (not world-readable: chmod 600)."),
     ] = None
     require_auth: Annotated[
         bool | None,
@@ -208,13 +251,30 @@ class Security(_Group, frozen=True):
     ] = ()
 
     def __post_init__(self) -> None:
+        loaded, source = key_from_file_or_env(self.hmac_key_file)
+        if loaded is not None:
+            # A copy (replace) of a config already holds the key it loaded: the same key is no conflict.
+            if self.hmac_key is not None and self.hmac_key != loaded:
+                raise ConfigError(f"hmac_key and {source} both give a key; give it once")
+            msgspec.structs.force_setattr(self, "hmac_key", loaded)
         if self.hmac_key is not None and len(self.hmac_key) < MIN_KEY_BYTES:
             raise ConfigError(
-                f"hmac_key is {len(self.hmac_key)} bytes; a shared key needs at least {MIN_KEY_BYTES} "
-                "(e.g. 32 random bytes); an empty or short key is refused"
+                f"{f'the key in {source}' if source else 'hmac_key'} is {len(self.hmac_key)} bytes; a shared "
+                f"key needs at least "
+                f"{MIN_KEY_BYTES} (e.g. 32 random bytes: `openssl rand -base64 32`); an empty or short key "
+                "is refused"
             )
         if self.require_auth and self.hmac_key is None:
             raise ConfigError("require_auth=True but no hmac_key is set: set the same key on both sides")
+
+    def __repr__(self) -> str:
+        key = None if self.hmac_key is None else REDACTED
+        return (
+            f"Security(hmac_key={key}, hmac_key_file={self.hmac_key_file!r}, "
+            f"require_auth={self.require_auth!r}, allowed_decode_ids={self.allowed_decode_ids!r})"
+        )
+
+    __str__ = __repr__
 
 
 class Limits(_Group, frozen=True):
@@ -312,7 +372,9 @@ class KVPushConfig(
             raise ConfigError("engine_id must be a non-empty string")
 
     def check_listen(self) -> None:
-        """Before a prefill listens: beyond loopback, authentication is required unless switched off."""
+        """Before a prefill listens: an address decodes can reach is known, and beyond loopback
+        authentication is required unless switched off."""
+        self.side_channel.advertised  # noqa: B018 (refuses a wildcard with nothing to advertise)
         if self.auth_required and self.security.hmac_key is None:
             raise ConfigError(
                 f"a prefill listening on {self.side_channel.host!r} (beyond loopback) requires "

@@ -22,6 +22,10 @@
 #   KV_HOST: the IP this engine's KV side channel listens on (default: this node's private IP)
 #   PREFILL_ENGINE_ID: engine_id of the prefill engine (default: <cluster>-prefill-0); the proxy tells
 #     the decode engine this id, so set it the same way on the prefill and the proxy nodes
+#   HMAC_KEY_FILE (/etc/kvpush/hmac.key): CONNECTOR=kvpush: the shared key (base64, mode 600), the same
+#     file on every node (prefill, decode and proxy); create it once with
+#     `(umask 077; openssl rand -base64 32 > /etc/kvpush/hmac.key)` and copy it to the other nodes. It is
+#     passed by path (hmac_key_file, --hmac-key-file), never on the command line
 #   PAIRING_PORT (5700): CONNECTOR=kvpush: the decode answers the proxy's pairing check there. A kvpush
 #     decode given PREFILL_HOST also handshakes with that prefill at start-up and refuses to start
 #     on a KV layout mismatch; the proxy checks each pairing at its start and on /health
@@ -80,6 +84,7 @@ DECODE_PORT=${DECODE_PORT:-8200}
 PROXY_PORT=${PROXY_PORT:-8000}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5600}
 PAIRING_PORT=${PAIRING_PORT:-5700}
+HMAC_KEY_FILE=${HMAC_KEY_FILE:-/etc/kvpush/hmac.key}
 KV_BUFFER_DEVICE=${KV_BUFFER_DEVICE:-cuda}
 KV_BACKENDS=${KV_BACKENDS:-LIBFABRIC}
 PREFILL_ENGINE_ID=${PREFILL_ENGINE_ID:-${KVPUSH_CLUSTER:-kvpush}-prefill-0}
@@ -114,8 +119,9 @@ kv_transfer_config() {
   if [ "$CONNECTOR" = kvpush ]; then
     module=',"kv_connector_module_path":"kvpush.platforms.vllm"'
     extra="{\"port\":$SIDE_CHANNEL_PORT,\"host\":\"$KV_HOST\",\"backends\":$backends"
+    extra+=",\"hmac_key_file\":\"$HMAC_KEY_FILE\""
     if [ "$kv_role" = kv_consumer ]; then
-      extra+=",\"pairing_port\":$PAIRING_PORT"
+      extra+=",\"pairing_port\":$PAIRING_PORT,\"pairing_host\":\"$KV_HOST\""
       if [ -n "${PREFILL_HOST:-}" ]; then
         extra+=",\"prefill_addresses\":[{\"engine_id\":\"$PREFILL_ENGINE_ID\",\"host\":\"$PREFILL_HOST\""
         extra+=",\"port\":$SIDE_CHANNEL_PORT,\"tp_size\":$PREFILL_TP_SIZE}]"
@@ -167,7 +173,7 @@ case $ROLE in
       --prefill-tp-size "$PREFILL_TP_SIZE"
       --prefill-pp-size "$PREFILL_PP_SIZE")
     if [ "$CONNECTOR" = kvpush ]; then
-      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT")
+      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT" --hmac-key-file "$HMAC_KEY_FILE")
     fi
     pid_name=proxy
     health_url=http://127.0.0.1:$PROXY_PORT/health
@@ -184,6 +190,9 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${CMD[@]}"
   echo
   exit 0
+fi
+if [ "$CONNECTOR" = kvpush ] && [ ! -r "$HMAC_KEY_FILE" ]; then
+  die "no shared key at HMAC_KEY_FILE=$HMAC_KEY_FILE: create it once with \`(umask 077; openssl rand -base64 32 > $HMAC_KEY_FILE)\` and copy it to every node"
 fi
 
 mkdir -p "$RUN_DIR" "$LOG_DIR"

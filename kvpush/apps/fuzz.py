@@ -17,7 +17,7 @@ from collections import Counter
 from typing import Any
 
 from ..errors import WireError
-from ..protocol.handshake import Session, hello_frame, make_hello, open_hello
+from ..protocol.handshake import Session, hello_frame, make_hello, memory_of, open_hello, without_memory
 from ..protocol.layout import KVLayout, packed_planes
 from ..protocol.wire import (
     ENVELOPE_BYTES,
@@ -68,6 +68,7 @@ def seed_messages() -> list[Message]:
         Posted(request_id="req-1", attempt=3, prefill_rank=0),
         Ping(clock=3.0),
         Pong(clock=4.0),
+        memory_of(hello),
         # a long prompt: wire v2 lost the header of any registration with ~4,090 block ids or more
         Registration(
             request_id="req-long",
@@ -90,7 +91,7 @@ def seed_frames() -> list[bytes]:
     hello = msgs[0]
     assert isinstance(hello, Hello)
     out.append(hello_frame(codec, hello, None))
-    out.append(hello_frame(codec, hello, _KEY))
+    out.append(hello_frame(codec, without_memory(hello), _KEY))  # a keyed Hello carries no memory
     for key in (None, _KEY):
         sess = Session(codec, key, _NONCE_D, _NONCE_P, "decode")
         out += [sess.seal(m) for m in msgs[1:]]

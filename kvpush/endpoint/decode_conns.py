@@ -1,7 +1,8 @@
 """The decode's table of prefill connections: the mirror of prefill_conns.py, seen from the receive thread.
 
 One side-channel connection per prefill rank this rank needs, each with its own Hello, session and clock
-offset; a fresh connection and Hello when a rank must be found again; frames opened (a Hello's answer, a
+offset (keyed: the Hello leaves out the NIXL agent metadata and region addresses, sent sealed as the
+first message once the prefill's answer proved the key); a fresh connection and Hello when a rank must be found again; frames opened (a Hello's answer, a
 sealed message, or a plain refusal from a prefill that does not know the connection). What the frames
 mean for requests is the receive thread's business (decode.py): this table never touches ReceiverState.
 """
@@ -19,7 +20,7 @@ import zmq
 
 from ..config import KVPushConfig
 from ..errors import TransportError, WireError
-from ..protocol.handshake import AuthMismatch, Session, hello_frame, open_hello
+from ..protocol.handshake import AuthMismatch, Session, hello_frame, memory_of, open_hello, without_memory
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Registration, split_frame
 from .base import PrefillAddress
 from .control import ControlChannel, ControlPlane
@@ -131,8 +132,11 @@ class PrefillConnections:
         peer.session = None
         peer.connected_at = now
         hello = msgspec.structs.replace(self.hello, nonce=peer.nonce, clock=now)
+        key = self.config.security.hmac_key
+        if key is not None:
+            hello = without_memory(hello)  # metadata and addresses only once the prefill proved the key
         try:
-            peer.channel.send(hello_frame(self.codec, hello, self.config.security.hmac_key))
+            peer.channel.send(hello_frame(self.codec, hello, key))
         except TransportError as exc:
             log.warning("kvpush decode: hello to prefill %s failed: %s", ascii(peer.address.engine_id), exc)
 
@@ -198,6 +202,9 @@ class PrefillConnections:
         peer.hello, peer.error, peer.instance = msg, "", msg.instance
         peer.closed_hint = False
         peer.session = Session(self.codec, self.config.security.hmac_key, peer.nonce, msg.nonce, "decode")
+        if self.config.security.hmac_key is not None:
+            # Its answer's HMAC covered our nonce: the prefill holds the key. Our memory goes first, sealed.
+            self.send_sealed(peer, memory_of(self.hello))
         self.by_agent[msg.agent_name] = peer
         peer.clock_offset = None
         self.heard(peer, msg.clock, now)

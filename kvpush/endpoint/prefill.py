@@ -31,16 +31,10 @@ from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
 from .base import Endpoint, EndpointThread, SendResult, TransferHooks, TransportSource, checked_blocks
+from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
 from .posting import DescWrite, PreparedWrite, WriteSpec
-from .prefill_conns import (
-    MAX_MESSAGES_PER_ROUND,
-    Admitted,
-    ConnEvent,
-    DecodeAborted,
-    DecodeConnections,
-    Prepared,
-)
+from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections, Prepared
 from .stats import Count
 from .writes import Settled, WriteScheduler
 
@@ -401,7 +395,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.side_channel.host, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.advertised, self._push.bound_port - self.layout.tp_rank
 
     def prefill_done(
         self,

@@ -21,6 +21,7 @@ import msgspec
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, TransportError, WireError
+from ..protocol import handshake
 from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
@@ -28,6 +29,7 @@ from ..protocol.tp import check_peer_tp, receivers_for
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Pong, Registration
 from ..transport.base import PreparedList, Transport, listed_descriptors
 from .admission import Admission, Pending, SenderView
+from .conn_events import Admitted, ConnEvent, DecodeAborted, PeerDropped
 from .control import ControlListener
 from .stats import Count, Ledger
 
@@ -41,30 +43,6 @@ MAX_BACKLOG = 1024  # messages of one connection waiting for its next rounds; be
 MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
 
 Identity = tuple[str, int]  # (decode engine id, decode rank)
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """A registration passed identity and admission checks: the sender machine takes it."""
-
-    registration: Registration
-    at: float
-
-
-@dataclass(frozen=True)
-class DecodeAborted:
-    abort: Abort
-
-
-@dataclass(frozen=True)
-class PeerDropped:
-    """A decode connection is gone or replaced: the requests it registered end with `reason`."""
-
-    request_ids: tuple[str, ...]
-    reason: str
-
-
-ConnEvent = Admitted | DecodeAborted | PeerDropped
 
 
 @dataclass
@@ -103,6 +81,7 @@ class _Conn:
     # moves here with the first sealed message that opens, which needs the key and this session's nonces.
     confirmed: bool = True
     peer_layout: KVLayout | None = None
+    hello: Hello | None = None  # keyed, until confirmed: the Hello that PeerMemory completes
 
 
 def _or_none(events: list[ConnEvent]) -> list[ConnEvent | None]:
@@ -179,11 +158,9 @@ class DecodeConnections:
             self.refuse(conn, "message refused: could not decode or authenticate it (see prefill log)")
             return []
         c.last_heard = now
+        if not c.confirmed:  # keyed: the first sealed message proves the key and carries the memory
+            return self._confirm(c, msg, now)
         events: list[ConnEvent] = []
-        if not c.confirmed:
-            events += self._bind(c, now)  # the first sealed message that opens proves the key and session
-            if not c.confirmed:
-                return events
         if isinstance(msg, Registration):
             if self._admit_registration(c, msg):
                 events.append(Admitted(msg, now))
@@ -271,31 +248,60 @@ class DecodeConnections:
         in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
             return events
-        try:
-            agent = self.transport.add_peer(hello.agent_metadata)
-            self.transport.connect(agent)  # at handshake, not on the first request's critical path
-        except TransportError as exc:
-            self.refuse(conn, str(exc), "refused")
+        key = self.config.security.hmac_key
+        agent = "" if key is not None else self._add_agent(conn, hello)  # keyed: at PeerMemory
+        if agent is None:
             return events
         nonce = os.urandom(16)
         c = _Conn(
             conn,
             now,
-            Session(self.codec, self.config.security.hmac_key, hello.nonce, nonce, "prefill"),
+            Session(self.codec, key, hello.nonce, nonce, "prefill"),
             identity,
             hello.instance,
             agent,
             now,
             now,
-            confirmed=self.config.security.hmac_key is None,
+            confirmed=key is None,
             peer_layout=peer_layout,
+            hello=None if key is None else hello,
         )
         self._track(c)
         if c.confirmed:
             events += self._bind(c, now)
         reply = msgspec.structs.replace(self.hello, nonce=nonce, clock=time.monotonic())
-        self._send_raw(conn, hello_frame(self.codec, reply, self.config.security.hmac_key, echo=hello.nonce))
+        if key is not None:  # a decode never needs the prefill's memory; a replayed Hello gets none
+            reply = handshake.without_memory(reply)
+        self._send_raw(conn, hello_frame(self.codec, reply, key, echo=hello.nonce))
         return events
+
+    def _add_agent(self, conn: bytes, hello: Hello) -> str | None:
+        """The decode's NIXL agent, added and connected (at handshake, not on a request's path)."""
+        try:
+            agent = self.transport.add_peer(hello.agent_metadata)
+            self.transport.connect(agent)
+        except TransportError as exc:
+            self.refuse(conn, str(exc), "refused")
+            return None
+        return agent
+
+    def _confirm(self, c: _Conn, msg: Message, now: float) -> list[ConnEvent]:
+        """Keyed: the connection's first sealed message must be its decode's PeerMemory; with it the
+        Hello is complete, rechecked, its NIXL agent added and the identity bound."""
+        agent = None
+        try:
+            assert c.hello is not None
+            hello = handshake.with_memory(c.hello, msg)
+            c.peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
+            agent = self._add_agent(c.conn, hello)
+        except (WireError, LayoutError) as exc:
+            self.ledger.add(Count.REFUSED)
+            self.refuse(c.conn, str(exc), "refused")
+        if agent is None:
+            self.conns.pop(c.conn, None)
+            return []
+        c.agent, c.hello = agent, None
+        return self._bind(c, now)
 
     def _identity_in_use(
         self, conn: bytes, identity: Identity, now: float, instance: bytes, new: _Conn | None = None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from ..errors import LayoutError, WireError
 from .layout import KVLayout, Plane, Region, check_compatible
 from .wire import (
@@ -20,6 +22,7 @@ from .wire import (
     Hello,
     LayoutWire,
     Message,
+    PeerMemory,
     frame_name,
     hmac_tag,
     split_frame,
@@ -102,6 +105,35 @@ def make_hello(
         clock=clock,
         auth=auth,
     )
+
+
+def without_memory(hello: Hello) -> Hello:
+    """The Hello a keyed side sends before the peer has proven the key: no NIXL agent metadata and every
+    region at address 0 (sizes kept, so the layout still checks); PeerMemory carries the rest later."""
+    regions = [(0, nbytes, device) for _addr, nbytes, device in hello.layout.regions]
+    layout = msgspec.structs.replace(hello.layout, regions=regions)
+    return msgspec.structs.replace(hello, agent_metadata=b"", layout=layout)
+
+
+def memory_of(hello: Hello) -> PeerMemory:
+    return PeerMemory(agent_metadata=hello.agent_metadata, region_addrs=[r[0] for r in hello.layout.regions])
+
+
+def with_memory(hello: Hello, memory: Message) -> Hello:
+    """The peer's full Hello: its keyed Hello completed by the PeerMemory sent once the key was proven
+    (WireError if the message is anything else, or names another number of regions)."""
+    if not isinstance(memory, PeerMemory):
+        raise WireError(f"the first sealed message must be PeerMemory, not {type(memory).__name__}")
+    regions = hello.layout.regions
+    if len(memory.region_addrs) != len(regions):
+        raise WireError(
+            f"PeerMemory names {len(memory.region_addrs)} region addresses; the Hello described {len(regions)}"
+        )
+    filled = [
+        (addr, nbytes, dev) for addr, (_a, nbytes, dev) in zip(memory.region_addrs, regions, strict=True)
+    ]
+    layout = msgspec.structs.replace(hello.layout, regions=filled)
+    return msgspec.structs.replace(hello, agent_metadata=memory.agent_metadata, layout=layout)
 
 
 # ---- authentication ------------------------------------------------------------------------------

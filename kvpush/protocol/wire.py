@@ -102,6 +102,15 @@ class Hello(_Msg, frozen=True):
     auth: bool = False
 
 
+class PeerMemory(_Msg, frozen=True):
+    """Decode -> prefill, sealed, the first message of a keyed connection: the decode's NIXL agent metadata
+    and the addresses of the regions its Hello described. A keyed Hello carries neither (regions at
+    address 0), so they reach only a prefill that proved the key by answering that Hello."""
+
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=1 << 19)]
+    region_addrs: Annotated[list[NonNeg], msgspec.Meta(max_length=1 << 16)]
+
+
 class Registration(_Msg, frozen=True):
     """Decode -> prefill: these destination blocks wait for request_id's KV (attempt `attempt`)."""
 
@@ -180,7 +189,18 @@ class Pong(_Msg, frozen=True):
     clock: Clock
 
 
-Message = Hello | Registration | TransferDone | TransferFailed | Abort | ErrorReply | Posted | Ping | Pong
+Message = (
+    Hello
+    | Registration
+    | TransferDone
+    | TransferFailed
+    | Abort
+    | ErrorReply
+    | Posted
+    | Ping
+    | Pong
+    | PeerMemory
+)
 
 
 # The kind byte of each message type. Never renumber: a number is part of the wire format.
@@ -194,6 +214,7 @@ KIND_CODES: dict[type[_Msg], int] = {
     Posted: 7,
     Ping: 8,
     Pong: 9,
+    PeerMemory: 10,
 }
 _DECODERS: dict[int, tuple[str, msgspec.msgpack.Decoder[Message]]] = {
     code: (cls.__name__, msgspec.msgpack.Decoder(cls)) for cls, code in KIND_CODES.items()

@@ -2,7 +2,7 @@
 
 The owner thread polls (check_xfer_state / get_new_notifs) instead of NIXL's progress thread, whose
 Python wrapper hard-codes a zero delay and would spin a core per agent. UCX is kept on loopback for
-local runs (UCX_NET_DEVICES=lo) unless configured otherwise.
+local runs (UCX_NET_DEVICES=lo) only when configured (ucx_net_devices) or set in the environment.
 """
 
 from __future__ import annotations

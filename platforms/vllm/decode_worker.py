@@ -6,20 +6,17 @@ so vLLM's kv_load_failure_policy decides between failing the request and recompu
 aborted while waiting stays recorded until the endpoint confirms that no WRITE can still land.
 
 With extra config `pairing_port`, rank r also answers GET /kvpush/pairing?engine_id=&host=&port=&tp_size=
-on config.side_channel.host:pairing_port+r: it handshakes with that prefill (or reuses the handshake)
-and says whether KV can move, naming the mismatch if not. `kvpush proxy --decode-pairing` asks it before
-sending traffic.
+on pairing_host (default 127.0.0.1):pairing_port+r: it handshakes with that prefill (or reuses the
+handshake) and says whether KV can move, naming the mismatch if not. `kvpush proxy --decode-pairing` asks
+it before sending traffic. With a shared key every request must be signed (params.PAIRING_HEADER); beyond
+loopback a key is required (ConnectorSettings refuses otherwise).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
 import time
-import urllib.parse
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress
@@ -27,6 +24,7 @@ from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
 from .layout_probe import expand_blocks
 from .overdue import Held, OverdueCheck
+from .pairing import PairingServer
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
 from .worker_common import WorkerBase
@@ -95,7 +93,7 @@ class DecodeWorker(WorkerBase):
                 ) from exc
         if self.settings.pairing_port:
             self.pairing = PairingServer(
-                self, self.settings.config.side_channel.host, self.settings.pairing_port + cache.rank
+                self, self.settings.pairing_host, self.settings.pairing_port + cache.rank
             )
         self.start_stats()
 
@@ -258,52 +256,3 @@ class DecodeWorker(WorkerBase):
             self.endpoint.close()
             self.endpoint = None
         self.close_waker()
-
-
-class PairingServer:
-    """GET /kvpush/pairing for one decode rank, on its own small HTTP server thread."""
-
-    def __init__(self, worker: DecodeWorker, host: str, port: int) -> None:
-        timeout_s = min(worker.settings.connect_timeout_s, 10.0)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                url = urllib.parse.urlsplit(self.path)
-                if url.path != "/kvpush/pairing":
-                    self._answer(404, {"error": f"no route {url.path}; use /kvpush/pairing"})
-                    return
-                q = dict(urllib.parse.parse_qsl(url.query))
-                try:
-                    prefill = PrefillAddress(
-                        q["engine_id"],
-                        q.get("host", "127.0.0.1"),
-                        int(q["port"]),
-                        int(q.get("tp_size", 1)),
-                        int(q.get("pp_size", 1)),
-                    )
-                except (KeyError, ValueError) as exc:
-                    self._answer(400, {"error": f"need engine_id, port (and host, tp_size): {exc!r}"})
-                    return
-                self._answer(*worker.check_pairing(prefill, timeout_s))
-
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None  # the engine's log is not an access log
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, name="kvpush-pairing", daemon=True)
-        self.thread.start()
-        log.warning("kvpush: decode pairing check on http://%s:%d/kvpush/pairing", host, port)
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)

@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 
-from kvpush.config import KVPushConfig
+from kvpush.config import LOOPBACK, KVPushConfig
 from kvpush.errors import ConfigError
+from kvpush.protocol.wire import hmac_tag, tags_equal
 
 _ENGINE_SUFFIX = re.compile(r"-[0-9A-Za-z]{8}$")
 _PROMPT_INDEX = re.compile(r"^cmpl-.*-(\d+)$")
@@ -96,8 +97,24 @@ _OWN_KEYS = (
     "connect_timeout_s",
     "idle_wait_ms",
     "pairing_port",
+    "pairing_host",
     "kv_cache_layout",
 )
+
+# The decode's pairing check (GET /kvpush/pairing?engine_id=&host=&port=...) makes it handshake with any
+# host:port it is given: with a shared key, a request must carry this header, an HMAC of its method and
+# target under a key derived from the shared one (a captured request can only repeat the same check).
+PAIRING_HEADER = "X-KVPush-Pairing-Auth"
+
+
+def pairing_signature(key: bytes, target: str) -> str:
+    """The header value for GET `target` (path and query, as sent)."""
+    return hmac_tag(hmac_tag(key, b"kvpush-pairing"), b"GET", target.encode()).hex()
+
+
+def pairing_signature_ok(key: bytes, target: str, header: str | None) -> bool:
+    return header is not None and tags_equal(header.encode(), pairing_signature(key, target).encode())
+
 
 # extra config "kv_cache_layout": what kvpush asks vLLM for. "auto" adapts to whatever the attention
 # backend chose (both sides must agree; the handshake checks). "block-major" asks for a block-outermost
@@ -153,6 +170,7 @@ class ConnectorSettings:
     connect_timeout_s: float = 120.0
     idle_wait_s: float = 0.0
     pairing_port: int = 0
+    pairing_host: str = "127.0.0.1"
 
     @property
     def is_producer(self) -> bool:
@@ -174,6 +192,13 @@ class ConnectorSettings:
         pairing_port = int(own.get("pairing_port") or 0)
         if not 0 <= pairing_port < 65536:
             raise ConfigError(f"KVPushConnector: pairing_port must be a TCP port, got {pairing_port}")
+        pairing_host = str(own.get("pairing_host") or "127.0.0.1")
+        if pairing_port and pairing_host not in LOOPBACK and config.security.hmac_key is None:
+            raise ConfigError(
+                f"KVPushConnector: pairing_host {pairing_host!r} is beyond loopback and no shared key is "
+                "set: the pairing check makes this decode handshake with any address it is given, so it "
+                "needs hmac_key_file (or $KVPUSH_HMAC_KEY) to authenticate its callers"
+            )
         addresses: list[PrefillAddressSpec] = []
         for i, entry in enumerate(own.get("prefill_addresses") or ()):
             if not isinstance(entry, Mapping) or "engine_id" not in entry or "port" not in entry:
@@ -202,4 +227,5 @@ class ConnectorSettings:
             connect_timeout_s=float(own.get("connect_timeout_s", 120.0)),
             idle_wait_s=idle_wait_ms / 1000.0,
             pairing_port=pairing_port,
+            pairing_host=pairing_host,
         )

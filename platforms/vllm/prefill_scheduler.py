@@ -157,7 +157,7 @@ class PrefillScheduler(SchedulerBase):
             transfer_mode="push",
             remote_engine_id=cfg.engine_id,
             remote_request_id=rec.key,
-            remote_host=cfg.side_channel.host,
+            remote_host=cfg.side_channel.advertised,
             remote_port=cfg.side_channel.port,
             tp_size=self.settings.tp_size,
             pp_size=self.settings.pp_size,

@@ -3,6 +3,7 @@ build, and real runs against stand-ins for vLLM (fixtures/fake_server.py, fixtur
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -20,9 +21,16 @@ from tests.infra.infra_tools import FIXTURES, ROOT, SCRIPTS, infra_tool, run
 SCRIPT_DIR = ROOT / "scripts"
 
 
+KEY = base64.b64encode(bytes(range(7, 39))).decode()
+
+
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """A clean environment: no node or cluster env file unless a test writes one."""
+    """A clean environment: no node or cluster env file unless a test writes one; a shared key file."""
+    key_file = tmp_path / "hmac.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
     env = {
+        "HMAC_KEY_FILE": str(key_file),
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
         "KVPUSH_NODE_ENV": str(tmp_path / "node.env"),
@@ -87,7 +95,12 @@ def test_prefill_command_uses_the_kvpush_connector(tmp_path: Path) -> None:
         "kv_role": "kv_producer",
         "kv_buffer_device": "cuda",
         "engine_id": "c1-prefill-0",
-        "kv_connector_extra_config": {"port": 5600, "host": "10.0.0.11", "backends": ["LIBFABRIC"]},
+        "kv_connector_extra_config": {
+            "port": 5600,
+            "host": "10.0.0.11",
+            "backends": ["LIBFABRIC"],
+            "hmac_key_file": str(tmp_path / "hmac.key"),
+        },
     }
 
 
@@ -130,6 +143,7 @@ def test_proxy_command_reads_the_cluster_env_file(tmp_path: Path) -> None:
         "--prefill-tp-size": "16",
         "--prefill-pp-size": "1",
         "--decode-pairing": "http://10.0.0.6:5700",
+        "--hmac-key-file": str(tmp_path / "hmac.key"),
     }
 
 
@@ -146,7 +160,9 @@ def test_kvpush_decode_is_given_its_prefill_and_a_pairing_port(tmp_path: Path) -
         "port": 5600,
         "host": "10.0.0.11",
         "backends": ["LIBFABRIC"],
+        "hmac_key_file": str(tmp_path / "hmac.key"),
         "pairing_port": 5700,
+        "pairing_host": "10.0.0.11",
         "prefill_addresses": [{"engine_id": "c1-prefill-0", "host": "10.0.0.5", "port": 5600, "tp_size": 4}],
     }
     # without PREFILL_HOST the decode still starts (and says it will not check at start-up)
@@ -170,6 +186,34 @@ def test_serve_pd_rejects_bad_settings(tmp_path: Path, settings: dict[str, str],
     proc = _script("serve_pd.sh", _env(tmp_path, DRY_RUN="1", **settings))
     assert proc.returncode == 1
     assert message in proc.stderr
+
+
+def test_the_generated_configs_of_both_roles_pass_the_connectors_own_parser(tmp_path: Path) -> None:
+    """What serve_pd.sh writes is what the connector reads: both roles keyed from the file, the prefill
+    allowed to listen on the private IP, the decode's pairing check beyond loopback (keyed)."""
+    from kvpush.platforms.vllm.params import ConnectorSettings
+
+    settings = {}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        config = _kv_config(_dry_run(tmp_path, ROLE=role, MODE="push", PREFILL_HOST="10.0.0.5"))
+        assert config["kv_role"] == kv_role
+        extra = config["kv_connector_extra_config"]
+        assert isinstance(extra, dict) and KEY not in json.dumps(config)
+        settings[role] = ConnectorSettings.from_extra(
+            role, str(config["engine_id"]), extra, block_size=16, tp_size=8, pp_size=1
+        )
+    assert settings["prefill"].config.security.hmac_key == base64.b64decode(KEY)
+    assert settings["decode"].config.security.hmac_key == base64.b64decode(KEY)
+    settings["prefill"].config.check_listen()  # 10.0.0.11 is beyond loopback: the key makes it legal
+    assert settings["decode"].pairing_host == "10.0.0.11" and settings["decode"].pairing_port == 5700
+    assert [a.host for a in settings["decode"].prefill_addresses] == ["10.0.0.5"]
+
+
+def test_a_real_start_without_the_key_file_is_refused_with_how_to_make_one(tmp_path: Path) -> None:
+    env = _env(tmp_path, ROLE="prefill", VLLM_SERVE="false", HMAC_KEY_FILE=str(tmp_path / "absent.key"))
+    proc = _script("serve_pd.sh", env)
+    assert proc.returncode == 1
+    assert "no shared key at HMAC_KEY_FILE=" in proc.stderr and "openssl rand -base64 32" in proc.stderr
 
 
 def _free_port() -> int:

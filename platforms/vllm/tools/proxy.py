@@ -13,7 +13,8 @@ the decode request is then cancelled (closing the connection makes vLLM abort it
 Every push dispatch carries a fresh `transfer_id` in both engines' kv_transfer_params, so two client
 requests with the same X-Request-Id never share a transfer key.
 
-Pairing (kvpush decodes started with `pairing_port`, given here as --decode-pairing): at start and on
+Pairing (kvpush decodes started with `pairing_port`, given here as --decode-pairing; keyed decodes need the
+shared key, from --hmac-key-file or $KVPUSH_HMAC_KEY, to sign each check): at start and on
 every /health, the proxy asks each decode whether it can receive KV from each prefill (the decode
 handshakes with that prefill, checking the real layouts). A refused pairing makes /health 503 naming the
 mismatch, a request routed to it is answered with that reason, and a decode failure is re-checked so
@@ -32,6 +33,8 @@ import time
 from typing import Any
 
 from kvpush.apps.cliutil import log_level, port, positive_float
+from kvpush.config import key_from_file_or_env
+from kvpush.errors import ConfigError
 
 from .proxy_http import (
     TIMINGS_TOKEN_ENV,
@@ -162,6 +165,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="base URL of each kvpush decode's pairing check (its pairing_port); checked at start and on "
         "/health (give it once per --decode, '' for a decode without one)",
     )
+    parser.add_argument(
+        "--hmac-key-file",
+        metavar="PATH",
+        help="the decodes' shared key (base64, not world-readable), to sign --decode-pairing checks; "
+        "or $KVPUSH_HMAC_KEY (never the key itself on the command line)",
+    )
     parser.add_argument("--prefill-tp-size", action="append", type=int)
     parser.add_argument("--prefill-pp-size", action="append", type=int)
     parser.add_argument("--connect-timeout", type=positive_float, default=5.0)
@@ -229,6 +238,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _pairing_key(path: str | None) -> bytes | None:
+    """The shared key for signing pairing checks, by the connector's own rules (kvpush.config)."""
+    try:
+        key, _source = key_from_file_or_env(path)
+    except ConfigError as exc:
+        raise SystemExit(f"kvpush proxy: {exc}") from None
+    return key
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     n = len(args.prefill)
     ids = _expand(args.prefill_engine_id, n, "", "prefill-engine-id")
@@ -251,6 +269,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode=decode,
         mode=args.mode,
         decode_pairing=pairing,
+        pairing_key=_pairing_key(args.hmac_key_file) if pairing else None,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
         max_body_bytes=args.max_body_bytes,

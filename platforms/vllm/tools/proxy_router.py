@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..params import KVTransferParams
+from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
 from .proxy_http import TimingsLog, error_body
 
 log = logging.getLogger("kvpush.proxy")
@@ -38,6 +38,8 @@ class ProxyConfig:
     mode: str = "push"  # push | pull
     # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
     decode_pairing: list[str] = field(default_factory=list)
+    # the shared key of keyed decodes: signs each pairing check (params.PAIRING_HEADER); never shown
+    pairing_key: bytes | None = field(default=None, repr=False)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     # Client-facing limits (proxy_http.py). A body: at most max_body_bytes, all of it within
@@ -168,9 +170,12 @@ class Router:
                 "pp_size": pair.prefill.pp_size,
             }
         )
+        target = f"/kvpush/pairing?{query}"
+        key = self.cfg.pairing_key
+        headers = {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
         try:
             async with self._session.get(
-                f"{pair.pairing_url}/kvpush/pairing?{query}", timeout=aiohttp.ClientTimeout(total=15)
+                f"{pair.pairing_url}{target}", headers=headers, timeout=aiohttp.ClientTimeout(total=15)
             ) as r:
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -178,6 +183,14 @@ class Router:
             return pair
         if r.status == 200 and isinstance(body, dict) and body.get("ok"):
             pair.ok, pair.error = True, ""
+        elif r.status == 401:
+            pair.ok, pair.error = (
+                False,
+                (
+                    f"the decode at {pair.pairing_url} refused the pairing check's signature: give the proxy "
+                    "the decodes' shared key (--hmac-key-file or $KVPUSH_HMAC_KEY)"
+                ),
+            )
         elif r.status == 409 and isinstance(body, dict):
             pair.ok, pair.error = False, str(body.get("error") or body)
         else:  # the prefill did not answer the handshake (504) or something else: not known yet
