@@ -6,14 +6,15 @@ its own table from what every SchedulerOutput already carries for the workers (0
   * `scheduled_new_reqs[i].block_ids`: a request's first blocks (set);
   * `scheduled_cached_reqs.new_block_ids`: blocks added this step (appended; a request in
     `resumed_req_ids` came back from preemption with a new table, which replaces the old one);
-  * `kv_connector_block_state.block_ids` (vLLM >= 0.29): vLLM's own snapshot of every request that got
-    blocks this step; it wins over what the table pieced together.
+  * `kv_connector_block_state` (vLLM >= 0.29): vLLM's own snapshot of the requests that got blocks this
+    step (0.29: a `block_ids` dict; 0.32+: `get_block_ids(req_id)`, resolved on access); it wins over
+    what the table pieced together.
 Only the first KV-cache group is kept (kvpush refuses hybrid groups).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpush.errors import LocalProtocolError
@@ -31,7 +32,7 @@ class BlockTable:
     def __init__(self) -> None:
         self.ids: dict[str, list[int]] = {}
 
-    def update(self, out: SchedulerOutput, wanted: Container[str]) -> None:
+    def update(self, out: SchedulerOutput, wanted: Collection[str]) -> None:
         """Take this step's blocks of the `wanted` requests (call before reading them in the same step)."""
         for new in out.scheduled_new_reqs:
             if new.req_id in wanted:
@@ -45,10 +46,18 @@ class BlockTable:
             else:
                 self.ids.setdefault(rid, []).extend(added[0])
         snapshot = getattr(out, "kv_connector_block_state", None)  # vLLM >= 0.29
-        if snapshot is not None:
-            for rid, groups in snapshot.block_ids.items():
-                if rid in wanted:
+        if snapshot is None:
+            return
+        resolve = getattr(snapshot, "get_block_ids", None)  # vLLM >= 0.32: resolved on access
+        if resolve is not None:
+            for rid in wanted:
+                groups = resolve(rid)
+                if groups is not None:
                     self.ids[rid] = list(groups[0])
+            return
+        for rid, groups in snapshot.block_ids.items():  # vLLM 0.29: a dict of copies
+            if rid in wanted:
+                self.ids[rid] = list(groups[0])
 
     def block_ids(self, request_id: str) -> Sequence[int]:
         ids = self.ids.get(request_id)

@@ -53,6 +53,7 @@ def step(
     added: dict[str, list[int] | None] | None = None,
     resumed: set[str] | frozenset[str] = frozenset(),
     snapshot: dict[str, list[int]] | None = None,
+    resolved: dict[str, list[int]] | None = None,
 ) -> Any:
     """A SchedulerOutput as far as the connector reads it: new requests' blocks, blocks added to running
     (or resumed) ones, and on vLLM >= 0.29 the block-state snapshot (None: an older vLLM's output)."""
@@ -69,6 +70,10 @@ def step(
     )
     if snapshot is not None:
         out.kv_connector_block_state = SimpleNamespace(block_ids={r: (ids,) for r, ids in snapshot.items()})
+    if resolved is not None:  # vLLM >= 0.32's form: looked up per request
+        out.kv_connector_block_state = SimpleNamespace(
+            get_block_ids=lambda rid: (resolved[rid],) if rid in resolved else None
+        )
     return out
 
 
@@ -187,6 +192,10 @@ def test_prefill_block_table_takes_vllms_snapshot_over_what_it_pieced_together()
     sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
     meta = sched.build_connector_meta(step({"a": 40}, new={"a": [1, 2, 9]}, snapshot={"a": [1, 2, 3]}))
     assert [s.block_ids for s in meta.send] == [(1, 2, 3)]
+    req = request("b", {"do_remote_decode": True}, prompt=40)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6), 0)
+    meta = sched.build_connector_meta(step({"b": 40}, new={"b": [4, 5, 9]}, resolved={"b": [4, 5, 6]}))
+    assert [s.block_ids for s in meta.send] == [(4, 5, 6)]
 
 
 def test_prefill_block_table_names_a_request_it_never_saw():
