@@ -5,6 +5,11 @@ A facade only: it reads vLLM's config once into ConnectorSettings and delegates 
     decode_scheduler.DecodeScheduler (kv_consumer), on what scheduler.py gives both
   * worker side: prefill_worker.PrefillWorker (kv_producer) or decode_worker.DecodeWorker (kv_consumer)
 The flow of one request is described in the two scheduler and the two worker modules.
+
+One class for vLLM 0.29 through 0.33, by feature, not version: block ids come from the KV cache manager
+where vLLM binds one (>= 0.32), else from the scheduler outputs (block_table.py); results go out through
+whichever method vLLM calls: get_transfer_results (>= 0.32: failed_recving) or get_finished, whose
+failures then reach vLLM as invalid blocks (get_block_ids_with_load_errors, the one channel before 0.32).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.errors import ConfigError, LocalProtocolError
 
+from .block_table import manager_or_table
 from .decode_scheduler import DecodeScheduler
 from .decode_worker import DecodeWorker
 from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
-from .prefill_scheduler import PrefillScheduler, manager_block_ids
+from .prefill_scheduler import PrefillScheduler
 from .prefill_worker import PrefillWorker
 from .scheduler import KVPushConnectorMetadata
 from .vllm_stats import HAVE_HOOKS, KVPushPromMetrics, KVPushStats
@@ -81,12 +87,17 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = settings_from_vllm(vllm_config)
         self._sched: PrefillScheduler | DecodeScheduler | None = None
         self._worker: PrefillWorker | DecodeWorker | None = None
-        self._legacy_failed: set[str] = set()
+        # Which method vLLM collects results with decides how failures reach it (see get_finished).
+        self._failures_by_blocks = False
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.is_producer:
-                # vLLM binds its KV cache manager after constructing the connector (>= 0.32; older: unset)
-                source = manager_block_ids(lambda: getattr(self, "_kv_cache_manager", None))
-                self._sched = PrefillScheduler(self.settings, source)
+                sched = PrefillScheduler(self.settings)
+                # vLLM >= 0.32 binds its KV cache manager after constructing the connector; older vLLM
+                # never does, and the scheduler's own table (fed from the scheduler outputs) answers.
+                sched.block_ids = manager_or_table(
+                    lambda: getattr(self, "_kv_cache_manager", None), sched.table.block_ids
+                )
+                self._sched = sched
             else:
                 self._sched = DecodeScheduler(self.settings)
         elif self.settings.is_producer:
@@ -173,25 +184,32 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             self._work().end_step(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving, failed = self._work().collect(finished_req_ids)
-        self._legacy_failed |= failed
+        """vLLM < 0.32 collects results here: a failed receive is reported finished, and its blocks
+        follow in get_block_ids_with_load_errors, which vLLM calls right after in the same step."""
+        self._failures_by_blocks = True
+        sending, recving, _failed = self._work().collect(finished_req_ids)
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32 collects results here, failures in failed_recving."""
+        if KVConnectorTransferResults is None:  # pragma: no cover - vLLM < 0.32 calls get_finished
+            raise LocalProtocolError(
+                "get_transfer_results called on a vLLM without KVConnectorTransferResults"
+            )
+        self._failures_by_blocks = False
         sending, recving, failed = self._work().collect(finished_req_ids)
-        if KVConnectorTransferResults is None:  # pragma: no cover - older vLLM uses get_finished
-            self._legacy_failed |= failed
-            return sending, recving
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Only for vLLM without failed_recving: a failed request's blocks are all invalid."""
+        """Every block of each request that failed since the last call, when vLLM learns of failures
+        only from blocks (it collected through get_finished); empty when failed_recving carried them."""
         worker = self._work()
-        if isinstance(worker, DecodeWorker):
-            return worker.take_legacy_failed_blocks(KVConnectorTransferResults is not None)
-        return set()
+        if not isinstance(worker, DecodeWorker):
+            return set()
+        blocks = worker.take_failed_blocks()
+        return blocks if self._failures_by_blocks else set()
 
     # ---- vLLM's connector stats (feature-detected in vllm_stats) -------------------------------
     def get_kv_connector_stats(self) -> Any:

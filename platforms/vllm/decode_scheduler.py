@@ -16,7 +16,7 @@ from kvpush.endpoint import PrefillAddress
 from kvpush.protocol.layout import blocks_for
 
 from .params import ConnectorSettings, KVTransferParams, transfer_key
-from .scheduler import CancelItem, RecvItem, SchedulerBase
+from .scheduler import CancelItem, FailItem, RecvItem, SchedulerBase
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,18 +79,20 @@ class DecodeScheduler(SchedulerBase):
         if request.kv_transfer_params is not None:
             request.kv_transfer_params["do_remote_prefill"] = False
         self.recving[rid] = ""
+        num_tokens = int(request.num_prompt_tokens)
+        block_ids = tuple(blocks.get_block_ids()[0])[: blocks_for(num_tokens, self.settings.block_size)]
         missing = params.prefill_address_missing()
         if missing:
-            self.meta.fail_recv.append((rid, f"kv_transfer_params lack {', '.join(missing)}"))
+            self.meta.fail_recv.append(
+                FailItem(rid, f"kv_transfer_params lack {', '.join(missing)}", block_ids)
+            )
             return
         key = transfer_key(rid, params)
         reason = self._claim(key, rid)
         if reason:
-            self.meta.fail_recv.append((rid, reason))
+            self.meta.fail_recv.append(FailItem(rid, reason, block_ids))
             return
         self.recving[rid] = key
-        num_tokens = int(request.num_prompt_tokens)
-        block_ids = tuple(blocks.get_block_ids()[0])[: blocks_for(num_tokens, self.settings.block_size)]
         self.meta.expect.append(RecvItem(rid, key, block_ids, num_tokens, prefill_address(params)))
 
     def request_finished(

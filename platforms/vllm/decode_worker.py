@@ -1,8 +1,9 @@
 """The decode engine's worker side: register each request's blocks with kvpush and report its KV.
 
 One `_Recv` record per request, from expect() (the start of the step that allocated its blocks) until the
-endpoint reports the KV ready or failed; then it is in finished_recving (and, failed, in failed_recving,
-so vLLM's kv_load_failure_policy decides between failing the request and recomputing it). A request
+endpoint reports the KV ready or failed; then it is in finished_recving and, failed, in failed_recving
+(vLLM >= 0.32) and its blocks in get_block_ids_with_load_errors (the only failure channel before 0.32), so
+vLLM's kv_load_failure_policy decides between failing the request and recomputing it. A request
 aborted while waiting stays recorded until the endpoint confirms that no WRITE can still land.
 
 With extra config `pairing_port`, rank r also answers GET /kvpush/pairing?engine_id=&host=&port=&tp_size=
@@ -26,7 +27,7 @@ from .layout_probe import expand_blocks
 from .overdue import Held, OverdueCheck
 from .pairing import PairingServer
 from .probe import debug_checksums
-from .scheduler import KVPushConnectorMetadata
+from .scheduler import FailItem, KVPushConnectorMetadata
 from .worker_common import WorkerBase
 
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ class DecodeWorker(WorkerBase):
         self.endpoint: DecodeEndpoint | None = None
         self.by_key: dict[str, _Recv] = {}
         self.by_req: dict[str, _Recv] = {}
-        self.instant_fail: list[tuple[str, str]] = []  # (req_id, reason): failed before expect()
-        self.legacy_failed_blocks: set[int] = set()
+        self.instant_fail: list[FailItem] = []  # failed before expect()
+        self.failed_blocks: set[int] = set()  # of failed requests since vLLM last asked
         self.pairing: PairingServer | None = None
         self.expects = 0
         self.recv_ok = 0
@@ -105,7 +106,9 @@ class DecodeWorker(WorkerBase):
         for it in meta.expect:
             if it.key in self.by_key:
                 # The scheduler refuses colliding keys; should one still get here, fail it alone.
-                self.instant_fail.append((it.req_id, f"transfer key {it.key!r} is in use"))
+                self.instant_fail.append(
+                    FailItem(it.req_id, f"transfer key {it.key!r} is in use", it.block_ids)
+                )
                 continue
             rec = _Recv(it.req_id, it.key, it.block_ids, it.num_tokens, now)
             self.by_key[it.key] = rec
@@ -142,11 +145,12 @@ class DecodeWorker(WorkerBase):
         if self.endpoint is None or self.cache is None:
             return set(), recving, failed
         news = bool(self.instant_fail)
-        for rid, reason in self.instant_fail:
-            recving.add(rid)
-            failed.add(rid)
+        for fail in self.instant_fail:
+            recving.add(fail.req_id)
+            failed.add(fail.req_id)
+            self.failed_blocks.update(fail.block_ids)
             self.recv_failed += 1
-            log.warning("kvpush: request %s cannot receive KV: %s", rid, reason)
+            log.warning("kvpush: request %s cannot receive KV: %s", fail.req_id, fail.reason)
         self.instant_fail.clear()
         for r in self.endpoint.finished():
             rec = self.by_key.pop(r.request_id, None)
@@ -176,7 +180,7 @@ class DecodeWorker(WorkerBase):
                 self.recv_failed += 1
                 if not rec.aborted:
                     failed.add(rec.req_id)
-                    self.legacy_failed_blocks.update(rec.block_ids)
+                    self.failed_blocks.update(rec.block_ids)
                     log.warning("kvpush: KV for %s did not arrive: %s", rec.req_id, r.reason)
         self.check_overdue(time.monotonic())
         self.publish_stats(news)
@@ -203,10 +207,11 @@ class DecodeWorker(WorkerBase):
         ]
         return self.overdue.check(held, now)
 
-    def take_legacy_failed_blocks(self, supports_failed_recving: bool) -> set[int]:
-        """Only for vLLM without failed_recving: a failed request's blocks are all invalid."""
-        out, self.legacy_failed_blocks = self.legacy_failed_blocks, set()
-        return set() if supports_failed_recving else out
+    def take_failed_blocks(self) -> set[int]:
+        """The blocks of every request reported failed since the last call (all of a failed request's
+        blocks are invalid); vLLM without failed_recving learns of the failures from them."""
+        out, self.failed_blocks = self.failed_blocks, set()
+        return out
 
     # ---- pairing check (called from the pairing server's thread) -----------------------------
     def check_pairing(self, prefill: PrefillAddress, timeout_s: float) -> tuple[int, dict[str, Any]]:

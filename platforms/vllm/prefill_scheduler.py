@@ -7,21 +7,21 @@
 * request_finished: delay freeing; the worker reports finished_sending once the WRITE completed (or
   failed, or was aborted).
 
-The prompt's block ids come from a `BlockIdSource`: vLLM >= 0.32 binds its KV cache manager to the
-connector (`manager_block_ids`); an engine without that hook needs another source, passed in the same way.
+The prompt's block ids come from a `BlockIdSource`: by default the scheduler's own `BlockTable`, fed from
+each step's scheduler output (every vLLM version); the facade puts the KV cache manager that vLLM >= 0.32
+binds in front of it (`block_table.manager_or_table`).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpush.errors import ConfigError
 from kvpush.protocol.layout import blocks_for
 
+from .block_table import BlockIdSource, BlockTable
 from .params import ConnectorSettings, KVTransferParams, transfer_key
 from .scheduler import KVPushConnectorMetadata, SchedulerBase, SendItem
 
@@ -31,25 +31,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpush.vllm")
-
-# request id -> its blocks in the first KV-cache group, as vLLM holds them when its prompt completes
-BlockIdSource = Callable[[str], Sequence[int]]
-
-
-def manager_block_ids(manager: Callable[[], Any]) -> BlockIdSource:
-    """Block ids from the KV cache manager vLLM >= 0.32 binds to the connector (`bind_kv_cache_manager`);
-    `manager` returns it, or None while (or where) it is not bound."""
-
-    def block_ids(request_id: str) -> Sequence[int]:
-        mgr = manager()
-        if mgr is None:
-            raise ConfigError(
-                "KVPushConnector needs vLLM's bind_kv_cache_manager (vLLM >= 0.32) to read a prompt's blocks"
-            )
-        ids: Sequence[int] = mgr.get_block_ids(request_id)[0]
-        return ids
-
-    return block_ids
 
 
 class SendState(enum.Enum):
@@ -70,9 +51,10 @@ class _PrefillRequest:
 class PrefillScheduler(SchedulerBase):
     """Which prompts to push in which step, and how long vLLM keeps their blocks."""
 
-    def __init__(self, settings: ConnectorSettings, block_ids: BlockIdSource) -> None:
+    def __init__(self, settings: ConnectorSettings, block_ids: BlockIdSource | None = None) -> None:
         super().__init__(settings)
-        self.block_ids = block_ids
+        self.table = BlockTable()  # fed every step; read where no other source answers
+        self.block_ids: BlockIdSource = block_ids or self.table.block_ids
         self.prefills: dict[str, _PrefillRequest] = {}  # by vLLM request id
 
     def get_num_new_matched_tokens(
@@ -99,6 +81,8 @@ class PrefillScheduler(SchedulerBase):
         """Hand over every prompt whose last tokens this step computes."""
         if not self.prefills:
             return
+        computing = {rid for rid, rec in self.prefills.items() if rec.state is SendState.COMPUTING}
+        self.table.update(scheduler_output, computing)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             rec = self.prefills.get(rid)
             if rec is None or rec.state is not SendState.COMPUTING:
@@ -110,6 +94,7 @@ class PrefillScheduler(SchedulerBase):
             blocks = self.block_ids(rid)[: blocks_for(num_tokens, self.settings.block_size)]
             meta.send.append(SendItem(rid, rec.key, tuple(blocks), num_tokens))
             rec.state = SendState.HANDED
+            self.table.drop(rid)
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -140,6 +125,7 @@ class PrefillScheduler(SchedulerBase):
         """Aborted before its prompt completed: a decode that registered already is told at once instead
         of waiting for the lease to run out."""
         del self.prefills[rid]
+        self.table.drop(rid)
         self._release(rec.key, rid)
         self.meta.abort_send.append((rid, rec.key))
 

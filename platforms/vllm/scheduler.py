@@ -42,6 +42,17 @@ class RecvItem:
 
 
 @dataclass(frozen=True)
+class FailItem:
+    """Decode: the scheduler side refused this request's transfer (no prefill address, a taken key).
+    Its blocks travel with it: vLLM < 0.32 learns of a failed load only from its blocks
+    (`get_block_ids_with_load_errors`); without them it would decode on KV that never arrived."""
+
+    req_id: str
+    reason: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CancelItem:
     """Decode: a request dropped before allocation; the prefill may hold KV for it, so tell it."""
 
@@ -62,7 +73,7 @@ class SendItem:
 @dataclass
 class KVPushConnectorMetadata(KVConnectorMetadata):
     expect: list[RecvItem] = field(default_factory=list)
-    fail_recv: list[tuple[str, str]] = field(default_factory=list)  # (req_id, reason)
+    fail_recv: list[FailItem] = field(default_factory=list)
     abort_recv: list[str] = field(default_factory=list)
     cancel_recv: list[CancelItem] = field(default_factory=list)
     send: list[SendItem] = field(default_factory=list)

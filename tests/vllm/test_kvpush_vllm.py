@@ -291,6 +291,28 @@ def test_colliding_transfer_key_fails_the_newcomer_and_keeps_the_first(pd, singl
     )
 
 
+def test_a_transfer_the_decode_refuses_itself_fails_the_request_on_every_vllm(pd, single, model: str) -> None:
+    """kv_transfer_params without the prefill's address: the decode's scheduler side fails the transfer
+    before any KV can arrive. The request must end failed (kv_load_failure_policy "fail", vLLM's default
+    and this fixture's) or recomputed with the right tokens, never decoded on blocks nobody wrote: before,
+    on vLLM < 0.32 (whose only failure channel is get_block_ids_with_load_errors) this failure carried no
+    blocks, counted as a successful load and answered 200 with wrong tokens."""
+    prefill, decode = pd.engines
+    prompt = client.make_prompts(1, [600], seed=31)[0]
+    want = client.complete(single.url, model, prompt, 8)
+    failed_before = _stats(pd, "decode")["recv_failed"]
+    no_host = {"do_remote_prefill": True, "remote_port": prefill.kv_port, "tp_size": 1, "pp_size": 1}
+    try:
+        out = _direct(decode.url, model, prompt, no_host, f"noaddr-{uuid.uuid4().hex[:8]}", 8, timeout=60)
+    except urllib.error.HTTPError:
+        out = None  # failed, as the "fail" policy asks
+    if out is not None:
+        assert out["choices"][0]["token_ids"] == want, "decoded on KV that never arrived"
+    assert _wait(lambda: _stats(pd, "decode")["recv_failed"] > failed_before)
+    assert _wait(lambda: _kv_usage(decode.url) == 0.0, timeout=30), f"decode holds {_kv_usage(decode.url)}"
+    assert client.complete(pd.url, model, prompt, 8) == want  # and the pair still serves
+
+
 def test_layout_mismatch_fails_at_startup(pd, logs: Path) -> None:
     prefill = pd.engines[0]
     other = str(build("realistic"))  # 32 layers, 1 KV head x 128: cannot take the fast model's KV

@@ -18,10 +18,12 @@ with warnings.catch_warnings():  # vLLM imports torch, whose deprecation warning
     from vllm.v1.request import RequestStatus
 
     from kvpush.endpoint import PrefillAddress
-    from kvpush.errors import ConfigError
+    from kvpush.errors import LocalProtocolError
+    from kvpush.platforms.vllm.block_table import manager_or_table
     from kvpush.platforms.vllm.decode_scheduler import DecodeScheduler
     from kvpush.platforms.vllm.params import ConnectorSettings
-    from kvpush.platforms.vllm.prefill_scheduler import PrefillScheduler, SendState, manager_block_ids
+    from kvpush.platforms.vllm.prefill_scheduler import PrefillScheduler, SendState
+    from kvpush.platforms.vllm.scheduler import FailItem
 
 BLOCK = 16
 EXTRA = {"host": "10.0.0.5", "port": 7100, "idle_wait_ms": 0}
@@ -45,8 +47,34 @@ def blocks(*ids: int) -> Any:
     return SimpleNamespace(get_block_ids=lambda: (list(ids),))
 
 
-def step(scheduled: dict[str, int]) -> Any:
-    return SimpleNamespace(num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()))
+def step(
+    scheduled: dict[str, int],
+    new: dict[str, list[int]] | None = None,
+    added: dict[str, list[int] | None] | None = None,
+    resumed: set[str] | frozenset[str] = frozenset(),
+    snapshot: dict[str, list[int]] | None = None,
+    resolved: dict[str, list[int]] | None = None,
+) -> Any:
+    """A SchedulerOutput as far as the connector reads it: new requests' blocks, blocks added to running
+    (or resumed) ones, and on vLLM >= 0.29 the block-state snapshot (None: an older vLLM's output)."""
+    added = added or {}
+    out = SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,)) for r, ids in (new or {}).items()],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=list(added),
+            new_block_ids=[None if ids is None else (ids,) for ids in added.values()],
+            resumed_req_ids=set(resumed),
+        ),
+    )
+    if snapshot is not None:
+        out.kv_connector_block_state = SimpleNamespace(block_ids={r: (ids,) for r, ids in snapshot.items()})
+    if resolved is not None:  # vLLM >= 0.32's form: looked up per request
+        out.kv_connector_block_state = SimpleNamespace(
+            get_block_ids=lambda rid: (resolved[rid],) if rid in resolved else None
+        )
+    return out
 
 
 PREFILL_AT = {"remote_engine_id": "prefill-0", "remote_host": "10.0.0.9", "remote_port": 7000, "tp_size": 2}
@@ -127,13 +155,64 @@ def test_prefill_request_dropped_before_allocation_tells_the_decode():
     assert len(sched.meta.abort_send) == 1
 
 
-def test_manager_block_ids_names_the_missing_vllm_hook():
-    assert list(manager_block_ids(lambda: SimpleNamespace(get_block_ids=lambda rid: ([3, 4],)))("r")) == [
-        3,
-        4,
-    ]
-    with pytest.raises(ConfigError, match="bind_kv_cache_manager"):
-        manager_block_ids(lambda: None)("r")
+def test_manager_or_table_reads_the_bound_manager_and_else_the_table():
+    table = {"r": [7, 8]}
+    bound: list[Any] = [None]
+    source = manager_or_table(lambda: bound[0], lambda rid: table[rid])
+    assert list(source("r")) == [7, 8]  # vLLM < 0.32: no manager bound
+    bound[0] = SimpleNamespace(get_block_ids=lambda rid: ([3, 4],))
+    assert list(source("r")) == [3, 4]  # vLLM >= 0.32
+
+
+def test_prefill_without_a_manager_reads_blocks_from_the_scheduler_outputs():
+    """vLLM < 0.32 (0.29: vLLM Neuron's base) binds no KV cache manager: the blocks of a chunked prompt
+    come from the steps' outputs, new blocks appended, a resumed request's table replaced."""
+    sched = PrefillScheduler(settings("prefill"))
+    req = request("a", {"do_remote_decode": True}, prompt=60)
+    other = request("b", None)
+    sched.update_state_after_alloc(req, blocks(1, 2), 0)
+    sched.update_state_after_alloc(other, blocks(9), 0)
+    meta = sched.build_connector_meta(step({"a": 16, "b": 4}, new={"a": [1, 2], "b": [9]}))
+    assert not meta.send and sched.table.ids == {"a": [1, 2]}  # only requests it pushes are kept
+    req.num_computed_tokens = 16
+    sched.build_connector_meta(step({"a": 16}, added={"a": [3], "b": None}))
+    assert sched.table.ids["a"] == [1, 2, 3]
+    # preempted and resumed with new blocks: the table is replaced, not appended to
+    req.num_computed_tokens = 0
+    sched.build_connector_meta(step({"a": 32}, added={"a": [5, 6, 7]}, resumed={"a"}))
+    req.num_computed_tokens = 32
+    meta = sched.build_connector_meta(step({"a": 28}, added={"a": [8]}))
+    assert [(s.block_ids, s.num_tokens) for s in meta.send] == [((5, 6, 7, 8), 60)]
+    assert not sched.table.ids  # handed over: the blocks travel in the metadata
+
+
+def test_prefill_block_table_takes_vllms_snapshot_over_what_it_pieced_together():
+    sched = PrefillScheduler(settings("prefill"))
+    req = request("a", {"do_remote_decode": True}, prompt=40)
+    sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    meta = sched.build_connector_meta(step({"a": 40}, new={"a": [1, 2, 9]}, snapshot={"a": [1, 2, 3]}))
+    assert [s.block_ids for s in meta.send] == [(1, 2, 3)]
+    req = request("b", {"do_remote_decode": True}, prompt=40)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6), 0)
+    meta = sched.build_connector_meta(step({"b": 40}, new={"b": [4, 5, 9]}, resolved={"b": [4, 5, 6]}))
+    assert [s.block_ids for s in meta.send] == [(4, 5, 6)]
+
+
+def test_prefill_block_table_names_a_request_it_never_saw():
+    sched = PrefillScheduler(settings("prefill"))
+    req = request("a", {"do_remote_decode": True}, prompt=40)
+    sched.update_state_after_alloc(req, blocks(1, 2, 3), 0)
+    with pytest.raises(LocalProtocolError, match="no block ids for prefill request 'a'"):
+        sched.build_connector_meta(step({"a": 40}))
+
+
+def test_prefill_request_aborted_while_computing_leaves_no_table_entry():
+    sched = PrefillScheduler(settings("prefill"))
+    req = request("a", {"do_remote_decode": True}, prompt=60)
+    sched.update_state_after_alloc(req, blocks(1, 2), 0)
+    sched.build_connector_meta(step({"a": 16}, new={"a": [1, 2]}))
+    assert sched.request_finished(req, ([1, 2],)) == (False, None)
+    assert not sched.table.ids and not sched.prefills
 
 
 # ---- decode ----------------------------------------------------------------------------------------
@@ -171,8 +250,10 @@ def test_decode_fails_a_request_without_a_prefill_address_or_with_a_taken_key():
     sched.update_state_after_alloc(first, blocks(2, 3, 4), 40)
     sched.update_state_after_alloc(second, blocks(5, 6, 7), 40)
     (missing, taken) = sched.meta.fail_recv
-    assert missing == ("a", "kv_transfer_params lack remote_engine_id, remote_host")
-    assert taken[0] == "c" and "already used by live request 'b'" in taken[1]
+    # the blocks travel with the failure: vLLM < 0.32 learns of a failed load only from its blocks
+    assert missing == FailItem("a", "kv_transfer_params lack remote_engine_id, remote_host", (1,))
+    assert taken.req_id == "c" and "already used by live request 'b'" in taken.reason
+    assert taken.block_ids == (5, 6, 7)
     assert [e.req_id for e in sched.meta.expect] == ["b"]
 
 
