@@ -202,10 +202,17 @@ class Endpoint(Generic[R]):
         self._worker: EndpointThread[R] = worker
 
     def start(self) -> None:
+        """Start the transfer thread (its transport and side channel) and the metrics endpoint. A start
+        that fails part way stops what it started, so `with Endpoint(...)` leaks nothing either (its
+        __exit__ never runs when __enter__ raises)."""
         self._worker.start()
-        if self.config.metrics.port is not None:
-            # one port per TP rank, as for the side channel: rank 1 of a TP=2 engine must not collide
-            serve_metrics(self.config.metrics.host, self.config.metrics.port + self.layout.tp_rank)
+        try:
+            if self.config.metrics.port is not None:
+                # one port per TP rank, as for the side channel: rank 1 of a TP=2 engine must not collide
+                serve_metrics(self.config.metrics.host, self.config.metrics.port + self.layout.tp_rank)
+        except BaseException:
+            self.close()
+            raise
 
     def __enter__(self) -> Self:
         self.start()

@@ -183,3 +183,31 @@ def test_staging_hooks_run_on_the_transfer_threads_before_write_and_before_ready
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_start_that_fails_after_the_thread_started_leaves_no_thread_and_no_agent(role):
+    """Issue 21: the metrics port was taken, start() raised, and the transfer thread and its NIXL agent
+    stayed behind (and `with Endpoint(...)` could not clean up: __exit__ never runs when __enter__
+    raises)."""
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    hub = MemoryHub()
+    cache = HostKVCache(
+        KVLayout(num_layers=1, block_size=4, num_blocks=8, total_kv_heads=1, head_dim=8, dtype_size=2)
+    )
+    config = KVPushConfig(engine_id="E", port=0, metrics_port=busy.getsockname()[1])
+    kind = PrefillEndpoint if role == "prefill" else DecodeEndpoint
+    before = {t.name for t in threading.enumerate()}
+    try:
+        with pytest.raises(Exception, match="cannot serve Prometheus metrics"):  # noqa: SIM117
+            with kind(config, cache.layout, transport=MemoryTransport("E-agent", hub)):
+                pytest.fail("the with-block must not run")
+        assert "E-agent" not in hub.agents  # the transport was closed
+        leaked = {t.name for t in threading.enumerate() if t.name.startswith("kvpush")} - before
+        assert not leaked, leaked
+    finally:
+        busy.close()
