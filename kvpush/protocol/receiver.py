@@ -215,10 +215,14 @@ class ReceiverState:
         self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, prefill_tp: int, now: float
     ) -> list[ReceiverAction]:
         """Blocks are allocated for request_id; register them with the prefill ranks that owe them."""
-        actions: list[ReceiverAction] = []
+        # A live earlier attempt is superseded; its Abort goes out after the new registration, so each
+        # prefill rank sees the newer attempt first and takes the abort as one of a superseded attempt.
+        # Sent first, it ended the whole request there and the new registration was refused (issue 21:
+        # a second expect() for one id failed both attempts).
+        superseded: list[ReceiverAction] = []
         prev = self._current.get(request_id)
         if prev is not None and (request_id, prev) in self._live:
-            actions += self._end(
+            superseded = self._end(
                 self._live[(request_id, prev)], "superseded by a newer attempt", now, Failure.SUPERSEDED
             )
         attempt = self._new_attempt_number(request_id)
@@ -244,8 +248,8 @@ class ReceiverState:
             num_tokens=num_tokens,
             expires_at=deadline,  # in this side's clock; the endpoint converts it for each prefill
         )
-        actions += [SendRegistration(p, reg) for p in sorted(senders)]
-        return actions + self._settle(att)
+        registrations: list[ReceiverAction] = [SendRegistration(p, reg) for p in sorted(senders)]
+        return registrations + superseded + self._settle(att)
 
     def on_done(self, msg: TransferDone, now: float) -> list[ReceiverAction]:
         att = self._live.get((msg.request_id, msg.attempt))
