@@ -89,6 +89,11 @@ class KVPushStats(KVConnectorStats):  # type: ignore[misc]
         if not self.data:
             self.data = _empty("")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The payload vLLM >= 0.32 ships to the API server (0.29's base class has no to_dict and sends
+        `data` itself: the same dict)."""
+        return self.data
+
     def reset(self) -> None:
         self.data = _empty(str(self.data.get("role", "")))
 
