@@ -11,11 +11,10 @@ import zmq
 from kvpush.apps.soak.attacker import Attacker
 from kvpush.apps.soak.common import CROSS_MARK
 from kvpush.apps.soak.tap import FrameTapControl
-from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress
+from kvpush.endpoint import PrefillAddress
 from kvpush.endpoint.control import ZmqControl
-from kvpush.transport.memory import MemoryHub, MemoryTransport
-from tests.endpoint.test_hardening import FAST, caches, push_ok, start_prefill, wait
+from kvpush.transport.memory import MemoryHub
+from tests.endpoint.test_hardening import caches, push_ok, start_decode, start_prefill, wait
 
 KEY = b"a-shared-secret-of-32-bytes-long"
 
@@ -25,13 +24,7 @@ def test_a_key_holder_under_its_own_identity_cannot_touch_another_decodes_reques
     src, dst = caches()
     p = start_prefill(hub, src, hmac_key=KEY)
     tap = FrameTapControl(ZmqControl())
-    d = DecodeEndpoint(
-        KVPushConfig.from_mapping(dict(engine_id="D", hmac_key=KEY, **FAST)),
-        dst.layout,
-        transport=MemoryTransport("D-agent", hub),
-        control=tap,
-    )
-    d.start()
+    d = start_decode(hub, dst, hmac_key=KEY, control=tap)
     ctx = zmq.Context()
     try:
         addr = PrefillAddress("P", *p.address)

@@ -46,11 +46,12 @@ def start_prefill(hub, src, name="P-agent", port=0, **cfg):
     return p
 
 
-def start_decode(hub, dst, name="D-agent", engine="D", **cfg):
+def start_decode(hub, dst, name="D-agent", engine="D", control=None, **cfg):
     d = DecodeEndpoint(
         KVPushConfig.from_mapping(dict(engine_id=engine, **{**FAST, **cfg})),
         dst.layout,
         transport=MemoryTransport(name, hub),
+        control=control,
     )
     d.start()
     return d

@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 
 from kvpush.apps.soak import FrameTapControl
-from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress
+from kvpush.endpoint import PrefillAddress
 from kvpush.endpoint.control import ZmqControl
 from kvpush.protocol.wire import HELLO_MAC
-from kvpush.transport.memory import MemoryHub, MemoryTransport
+from kvpush.transport.memory import MemoryHub
 
-from .test_hardening import FAST, caches, dealer, push_ok, start_prefill, wait
+from .test_hardening import caches, dealer, push_ok, start_decode, start_prefill, wait
 
 KEY = b"a-shared-secret-of-32-bytes-long"
 
@@ -25,13 +24,7 @@ def test_a_replayed_hello_binds_nothing_and_the_victim_handshakes_at_once_after_
     src, dst = caches()
     p = start_prefill(hub, src, hmac_key=KEY)
     tap = FrameTapControl(ZmqControl())
-    d = DecodeEndpoint(
-        KVPushConfig.from_mapping(dict(engine_id="D", hmac_key=KEY, **FAST)),
-        dst.layout,
-        transport=MemoryTransport("D-agent", hub),
-        control=tap,
-    )
-    d.start()
+    d = start_decode(hub, dst, hmac_key=KEY, control=tap)
     addr = PrefillAddress("P", *p.address)
     p2 = None
     try:
