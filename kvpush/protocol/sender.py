@@ -24,9 +24,6 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .reasons import Failure
 from .sender_actions import EventOrder as EventOrder
@@ -34,96 +31,15 @@ from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
-from .table import IGNORE, Ignore, transition
+from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
+from .sender_table import DecodeRankState as DecodeRankState
+from .sender_table import Entry, Rank, refusal
+from .sender_table import RankEvent as RankEvent
+from .sender_table import SendPhase as SendPhase
+from .sender_table import sender_transition as sender_transition
+from .table import IGNORE as IGNORE
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
-
-
-def _refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> NotifyFailure:
-    """The answer to a registration that will not be written."""
-    return NotifyFailure(
-        reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, reason, kind=kind
-    )
-
-
-class SendPhase(enum.Enum):
-    OPEN = "open"  # collecting registrations / prefill done, writing
-    ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
-
-
-class DecodeRankState(enum.Enum):
-    """Where one owed decode rank stands in the current attempt."""
-
-    OWED = "owed"  # this prefill rank holds heads the decode rank needs; no registration yet
-    REGISTERED = "registered"  # its registration is here; waiting for prefill_done
-    WRITING = "writing"  # a WRITE into its blocks is in flight
-    DONE = "done"  # its WRITE completed
-    FAILED = "failed"  # it was told (or will be told) that we will not write
-
-
-class RankEvent(enum.Enum):
-    REGISTER = "register"  # a registration for this rank arrived
-    START = "start"  # registration and prefill_done are both here: post the WRITE
-    WRITE_OK = "write_ok"
-    WRITE_FAILED = "write_failed"
-    REFUSE = "refuse"  # the registration cannot be served (token count mismatch)
-    END = "end"  # the request is ending (abort, lease, another rank's failure)
-
-
-S, E = DecodeRankState, RankEvent
-SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ignore] = {
-    (S.OWED, E.REGISTER): S.REGISTERED,
-    (S.OWED, E.END): S.FAILED,
-    (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
-    (S.REGISTERED, E.START): S.WRITING,
-    (S.REGISTERED, E.REFUSE): S.FAILED,
-    (S.REGISTERED, E.END): S.FAILED,
-    (S.WRITING, E.REGISTER): IGNORE,
-    (S.WRITING, E.WRITE_OK): S.DONE,
-    (S.WRITING, E.WRITE_FAILED): S.FAILED,
-    (S.WRITING, E.END): IGNORE,  # the WRITE in flight must settle before anything is freed
-    (S.DONE, E.REGISTER): IGNORE,
-    (S.DONE, E.END): IGNORE,
-    (S.FAILED, E.REGISTER): IGNORE,
-    (S.FAILED, E.END): IGNORE,
-}
-del S, E
-
-
-def sender_transition(state: DecodeRankState, event: RankEvent) -> DecodeRankState:
-    """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
-    return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
-
-
-@dataclass
-class _Rank:
-    heads: HeadRange
-    state: DecodeRankState = DecodeRankState.OWED
-    reg: Registration | None = None
-
-
-@dataclass
-class _Entry:
-    request_id: str
-    deadline: float
-    created_by: EventOrder
-    phase: SendPhase = SendPhase.OPEN
-    reason: str = ""
-    kind: Failure = Failure.ABORTED
-    src_blocks: tuple[int, ...] | None = None
-    num_tokens: int = 0
-    attempt: int = -1
-    decode_engine_id: str = ""
-    owner: str = NO_OWNER  # the only decode engine that may act on it (claims.py)
-    decode_tp: int = 0
-    ranks: dict[int, _Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
-    stale_in_flight: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank) of superseded WRITEs
-    nbytes: int = 0
-
-    def writing(self) -> bool:
-        return bool(self.stale_in_flight) or any(
-            r.state is DecodeRankState.WRITING for r in self.ranks.values()
-        )
 
 
 class SenderState:
@@ -143,7 +59,7 @@ class SenderState:
         self.total_kv_heads = total_kv_heads
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, Entry] = {}
         self._tombstones = Tombstones(tombstone_s, abort_tombstones_per_engine)
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -162,24 +78,24 @@ class SenderState:
     def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
         fail = self._refuse_registration(reg)
         if fail:
-            return [_refusal(reg, fail)]
+            return [refusal(reg, fail)]
         # An expired registration is refused only where it would be newly accepted: a late duplicate of
         # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
         late = "registration arrived after its expiry: not written"
-        expired: list[SenderAction] = [_refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
+        expired: list[SenderAction] = [refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
         owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
         if foreign(owner, reg.decode_engine_id):
-            return [_refusal(reg, claimed_by_other(reg.request_id))]
+            return [refusal(reg, claimed_by_other(reg.request_id))]
         if entry is None and tomb is not None:
             if reg.attempt <= tomb.attempt:
                 return []  # a late duplicate of something already finished
-            return [_refusal(reg, "source KV already released (request finished on prefill)")]
+            return [refusal(reg, "source KV already released (request finished on prefill)")]
         if entry is None:
             if expired:
                 return expired
-            entry = self._entries[reg.request_id] = _Entry(
+            entry = self._entries[reg.request_id] = Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
         if entry.phase is SendPhase.OPEN:
@@ -190,7 +106,7 @@ class SenderState:
                 return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
             if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
                 return []
-            return [_refusal(reg, entry.reason, entry.kind)]
+            return [refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
@@ -208,7 +124,7 @@ class SenderState:
         if rank is None or reg.decode_tp != entry.decode_tp:
             why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                _refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
+                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
             ]
         if rank.state is DecodeRankState.OWED:
             if expired:
@@ -236,7 +152,7 @@ class SenderState:
             self._tombstones.forget(request_id)  # another engine's word about a request not its own
         entry = self._entries.get(request_id)
         if entry is None:
-            entry = self._entries[request_id] = _Entry(
+            entry = self._entries[request_id] = Entry(
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
         if entry.src_blocks is not None:
@@ -360,7 +276,7 @@ class SenderState:
         )
 
     # ---- internals --------------------------------------------------------------------------------
-    def _expire_registrations(self, entry: _Entry, now: float) -> list[SenderAction]:
+    def _expire_registrations(self, entry: Entry, now: float) -> list[SenderAction]:
         """A registration whose expiry passed before its WRITE could start can never be served."""
         for d, rank in sorted(entry.ranks.items()):
             if (
@@ -380,21 +296,21 @@ class SenderState:
         return []
 
     @staticmethod
-    def _move(rank: _Rank, event: RankEvent) -> None:
+    def _move(rank: Rank, event: RankEvent) -> None:
         rank.state = sender_transition(rank.state, event)
 
     def _new_attempt(
-        self, entry: _Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
+        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
     ) -> None:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
         entry.stale_in_flight |= {
             (entry.attempt, d) for d, r in entry.ranks.items() if r.state is DecodeRankState.WRITING
         }
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
-        entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
+        entry.ranks = {d: Rank(heads) for d, heads in owed.items()}
         entry.nbytes = 0
 
-    def _drop_claim(self, entry: _Entry) -> list[SenderAction]:
+    def _drop_claim(self, entry: Entry) -> list[SenderAction]:
         """Another engine registered before the prefill engine named the owner: that engine is told and its
         claim forgotten (nothing of it was written: there was no source yet)."""
         told: list[SenderAction] = [
@@ -424,7 +340,7 @@ class SenderState:
             )
         return ""
 
-    def _end(self, entry: _Entry, reason: str, kind: Failure) -> list[SenderAction]:
+    def _end(self, entry: Entry, reason: str, kind: Failure) -> list[SenderAction]:
         """The request will write nothing more: registered ranks are told, owed ones just close."""
         if entry.phase is SendPhase.ENDING:
             return []
@@ -441,7 +357,7 @@ class SenderState:
                 )
         return actions
 
-    def _advance(self, entry: _Entry, now: float) -> list[SenderAction]:
+    def _advance(self, entry: Entry, now: float) -> list[SenderAction]:
         """Start what can start, then release the source once nothing can still read it.
 
         Recurses at most once: `_expire_registrations` ends the entry (phase ENDING) before it calls back
@@ -460,7 +376,7 @@ class SenderState:
                 if reg.num_tokens > entry.num_tokens:
                     self._move(rank, RankEvent.REFUSE)
                     why = f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"
-                    actions.append(_refusal(reg, why))
+                    actions.append(refusal(reg, why))
                     actions += self._end(entry, "token count mismatch", Failure.REFUSED)
                     break
                 self._move(rank, RankEvent.START)
@@ -494,7 +410,7 @@ class SenderState:
             self._finish(entry, None)
         return actions
 
-    def _finish(self, entry: _Entry, now: float | None) -> None:
+    def _finish(self, entry: Entry, now: float | None) -> None:
         del self._entries[entry.request_id]
         expiry = (now if now is not None else entry.deadline) + self.tombstone_s
         self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry)
