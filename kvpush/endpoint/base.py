@@ -16,6 +16,7 @@ from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.ranges import StreamPolicy
 from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message, request_problem
 from ..transport.base import Transport
@@ -294,3 +295,10 @@ def _drain(q: queue.SimpleQueue[R]) -> list[R]:
             out.append(q.get_nowait())
         except queue.Empty:
             return out
+
+
+def stream_policy(config: KVPushConfig, layout: KVLayout) -> StreamPolicy:
+    """The streaming thresholds, with this rank's bytes per token per layer to size a range by."""
+    per_token_layer = layout.kv_per_layer * layout.num_kv_heads * layout.unit_bytes
+    s = config.streaming
+    return StreamPolicy(s.min_tokens, s.min_bytes, per_token_layer)
