@@ -54,7 +54,6 @@ class Bed:
     key: bytes
     key_file: Path
     out: Path
-    run_dir: Path
     single: Deployment
     groups: list[int] = field(default_factory=list)  # process groups started on the two hosts
 
@@ -160,7 +159,7 @@ def bed(two_hosts_module: TwoHosts, tmp_path_factory: pytest.TempPathFactory) ->
         groups = [
             int((run_dir / f"{n}.pid").read_text()) for n in ("server-prefill", "server-decode", "proxy")
         ]
-        yield Bed(hosts, model, key, key_file, out, run_dir, single, groups)
+        yield Bed(hosts, model, key, key_file, out, single, groups)
     finally:
         for p in procs:
             with contextlib.suppress(OSError):
