@@ -17,12 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import zmq
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
+from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
 from ..protocol.order import failure_notice, write_order
 from ..protocol.plan import TransferPlan, build_plan
@@ -78,7 +79,7 @@ class PushThread(EndpointThread[SendResult]):
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
         self.transport, self.hello = self.setup_transport()
-        port = self.config.side_channel.port + self.layout.tp_rank if self.config.side_channel.port else 0
+        port = self.config.side_channel.port + self.layout.rank if self.config.side_channel.port else 0
         try:
             listener = self.control.listen(
                 self.config.side_channel.host, port, self.config.limits.max_message_bytes
@@ -195,7 +196,7 @@ class PushThread(EndpointThread[SendResult]):
                 # should leave now rather than after the next loop round
                 pending.extend(self._settle(self.scheduler.progress(time.monotonic())))
             for a in self.scheduler.take_nudges():  # tell the decodes after the first poll: Posted
-                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
+                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.rank)
                 if self.conns.send_to((a.decode_engine_id, a.decode_rank), posted):
                     self.ledger.add(Count.NUDGES)
             if not pending:
@@ -319,7 +320,7 @@ class PushThread(EndpointThread[SendResult]):
                 raise TransportError(
                     f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}"
                 )
-            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.tp_rank, session))
+            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
         except TransportError as exc:
             log.warning("kvpush prefill: %s", exc)
 
@@ -353,7 +354,7 @@ class PushThread(EndpointThread[SendResult]):
     def cmd_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         at: float,
         kv_written: Callable[[], None] | None,
@@ -395,17 +396,18 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.side_channel.advertised, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.advertised, self._push.bound_port - self.layout.rank
 
     def prefill_done(
         self,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: TableArg,
         num_tokens: int,
         kv_written: Callable[[], None] | None = None,
         decode_engine_id: str = "",
     ) -> None:
-        """The request's prompt KV is computed into block_ids; push it once decode has registered.
+        """The request's prompt KV is computed into block_ids (one table, or one per KV-cache group of
+        the layout; a window group's may hold -1 outside the window); push it once decode has registered.
 
         kv_written: optional barrier the push thread calls before reading the blocks (e.g. a CUDA event's
         synchronize, recorded by the engine on the stream that wrote the KV): the engine never waits.

@@ -38,7 +38,7 @@ def write_order(
     else:
         plan = build_plan(src, dst, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads)
     done = TransferDone(
-        request_id=act.request_id, attempt=act.attempt, prefill_rank=src.tp_rank, nbytes=plan.nbytes
+        request_id=act.request_id, attempt=act.attempt, prefill_rank=src.rank, nbytes=plan.nbytes
     )
     return WriteOrder(plan, session.seal(done, NOTIF))
 

@@ -28,6 +28,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from ..errors import WireError
+from .groups import BlockIds, from_flat
 
 # v3: the fixed envelope (v2 carried kind and version inside the map; see the module docstring)
 # v4: layer ids, KV-cache groups, windows and PP stage in LayoutWire; per-group tables in Registration
@@ -147,6 +148,10 @@ class Registration(_Msg, frozen=True):
     group_sizes: Annotated[
         list[Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_IDS)]], msgspec.Meta(max_length=MAX_GROUPS)
     ] = []
+
+    def tables(self) -> BlockIds:
+        """The block table, or one per KV-cache group."""
+        return from_flat(self.block_ids, self.group_sizes)
 
     def __post_init__(self) -> None:
         if self.group_sizes and sum(self.group_sizes) != len(self.block_ids):
