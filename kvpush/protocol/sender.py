@@ -2,8 +2,7 @@
 
 It takes events (a registration from a decode rank, prefill done, a WRITE's outcome, an abort, the clock)
 and returns actions (start a WRITE, tell a decode rank we will not write, release source blocks). It
-never touches a socket, a thread or NIXL, so every event order can be tested with a fake clock
-(tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py).
+never touches a socket, a thread or NIXL: every event order is tested with a fake clock (tests/protocol).
 
 Each decode rank this prefill rank owes KV to, within a request's current attempt, is in one named
 `DecodeRankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
@@ -28,6 +27,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
+from .groups import BlockIds
 from .reasons import Failure
 from .sender_actions import EventOrder as EventOrder
 from .sender_actions import NotifyFailure as NotifyFailure
@@ -110,7 +110,7 @@ class _Entry:
     phase: SendPhase = SendPhase.OPEN
     reason: str = ""
     kind: Failure = Failure.ABORTED
-    src_blocks: tuple[int, ...] | None = None
+    src_blocks: BlockIds | None = None
     num_tokens: int = 0
     attempt: int = -1
     decode_engine_id: str = ""
@@ -220,7 +220,7 @@ class SenderState:
     def on_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         now: float,
         decode_engine_id: str = NO_OWNER,
@@ -472,7 +472,7 @@ class SenderState:
                         d,
                         reg.decode_tp,
                         entry.src_blocks,
-                        tuple(reg.block_ids),
+                        reg.tables(),
                         reg.num_tokens,
                         rank.heads,
                         entry.created_by,
