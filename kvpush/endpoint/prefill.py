@@ -93,7 +93,8 @@ class PushThread(EndpointThread[SendResult]):
             self.config, self.layout, self.mem_type, self.codec, self.hello, self.transport, listener,
             self.ledger, self.state,
         )  # fmt: skip
-        build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
+        warm = [[0]] * self.layout.num_groups  # warm numpy's paths off the first request
+        build_plan(self.layout, self.layout, warm, warm, 1)
         self.scheduler = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
 
     def teardown(self) -> None:
