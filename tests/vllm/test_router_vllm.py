@@ -140,10 +140,9 @@ def test_router_fans_one_prefill_out_to_two_decodes(pd, single, model, logs):
     prefill, decode0 = pd.engines[:2]
     before = len(pd.procs)
     p0, d0 = _stats(pd, "prefill"), _stats(pd, "decode")
-    stats1 = logs / "stats-decode-1"
     started = time.monotonic()
     try:
-        decode1 = add_decode(pd, logs, extra={"stats_dir": str(stats1)})
+        decode1 = add_decode(pd, logs)  # the same stats_dir: its file is named after its engine id
         url = add_router(pd, logs, [prefill.url], [decode0.url, decode1.url], "vllm-router-1p2d")
         up_s = time.monotonic() - started
         first = client.complete_many(url, model, prompts[:1], MAX_TOKENS, concurrency=1)
@@ -153,8 +152,8 @@ def test_router_fans_one_prefill_out_to_two_decodes(pd, single, model, logs):
         n = len(prompts)
 
         def d1() -> dict:
-            path = stats1 / "kvpush-decode-rank0.json"
-            return json.loads(path.read_text()) if path.exists() else {"recv_ok": 0}
+            path = Path(pd.stats_dir) / f"{decode1.engine_id}-rank0.json"
+            return json.loads(path.read_text()) if path.exists() else {"recv_ok": 0, "recv_bytes": 0}
 
         def received() -> tuple[int, int]:
             return _stats(pd, "decode")["recv_ok"] - d0["recv_ok"], d1()["recv_ok"]
