@@ -5,8 +5,9 @@ One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-p
 decode (1P2D) behind a second router, sharing the 1P1D engines (one more start-up, with the reference
 stopped first: at most three engines up). Also: kvpush's figures on vLLM's own /metrics (the
 connector-stats hooks), and a mismatched pair that never reaches the router.
-Four engine start-ups (P/D, single, one refused decode): 9 minutes measured on the shared 2-core box
-at load average ~17 (other engines running); not yet timed alone.
+Five engine start-ups (P/D, single, the second decode, one refused decode): 11.7 minutes for the module
+on the shared 2-core box at load average ~10-12 (other helpers running); the 1P2D test adds ~2 minutes
+(121 s for the second decode and its router to come up, 8 s of requests).
 """
 
 from __future__ import annotations
