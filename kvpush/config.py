@@ -13,6 +13,7 @@ rather than being silently ignored. docs/config.md lists every key (scripts/conf
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -22,9 +23,10 @@ from msgspec import Meta
 from .config_errors import _named, _unknown
 from .errors import ConfigError
 from .keyfile import KEY_ENV as KEY_ENV
+from .keyfile import MIN_KEY_BYTES as MIN_KEY_BYTES
 from .keyfile import key_from_file_or_env as key_from_file_or_env
+from .keyfile import merge_env_key, resolve_key
 
-MIN_KEY_BYTES = 16  # as kvpush.protocol.handshake.MIN_KEY_BYTES (config must not import the protocol)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 WILDCARDS = ("0.0.0.0", "::", "[::]", "*", "")
 REDACTED = "<redacted>"
@@ -240,8 +242,8 @@ class Security(_Group, frozen=True):
 
     The key comes from exactly one of `hmac_key` (base64 in JSON: visible wherever the config is, e.g.
     `ps` and vLLM's start-up log), `hmac_key_file` (a file holding it in base64, not readable by every
-    user) or the environment variable KVPUSH_HMAC_KEY (base64); the file or the variable keep it off
-    command lines. repr() and str() never show it.
+    user) or the environment variable KVPUSH_HMAC_KEY (base64, read by `KVPushConfig.from_mapping`, never
+    by this constructor); the file or the variable keep it off command lines. repr() and str() never show it.
     """
 
     hmac_key: Annotated[
@@ -261,19 +263,8 @@ class Security(_Group, frozen=True):
     ] = ()
 
     def __post_init__(self) -> None:
-        loaded, source = key_from_file_or_env(self.hmac_key_file)
-        if loaded is not None:
-            # A copy (replace) of a config already holds the key it loaded: the same key is no conflict.
-            if self.hmac_key is not None and self.hmac_key != loaded:
-                raise ConfigError(f"hmac_key and {source} both give a key; give it once")
-            msgspec.structs.force_setattr(self, "hmac_key", loaded)
-        if self.hmac_key is not None and len(self.hmac_key) < MIN_KEY_BYTES:
-            raise ConfigError(
-                f"{f'the key in {source}' if source else 'hmac_key'} is {len(self.hmac_key)} bytes; a shared "
-                f"key needs at least "
-                f"{MIN_KEY_BYTES} (e.g. 32 random bytes: `openssl rand -base64 32`); an empty or short key "
-                "is refused"
-            )
+        # the file's key (a copy made by replace already holds it: the same key is no conflict), checked
+        msgspec.structs.force_setattr(self, "hmac_key", resolve_key(self.hmac_key, self.hmac_key_file))
         if self.require_auth and self.hmac_key is None:
             raise ConfigError("require_auth=True but no hmac_key is set: set the same key on both sides")
 
@@ -400,9 +391,12 @@ class KVPushConfig(
         return self.side_channel.host not in LOOPBACK
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any]) -> KVPushConfig:
-        """Build from flat keys, nested groups or both (JSON types are converted, e.g. base64 to bytes)."""
+    def from_mapping(cls, data: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> KVPushConfig:
+        """Build from flat keys, nested groups or both (JSON types are converted, e.g. base64 to bytes).
+        The one place the environment is read: $KVPUSH_HMAC_KEY in `environ` is the shared key (pass {}
+        to ignore it); the constructor and `replace` hold only what they are given."""
         nested, origin = _nest(data)
+        merge_env_key(nested.setdefault("security", {}), environ)
         try:
             return msgspec.convert(nested, cls, strict=False)
         except msgspec.ValidationError as exc:

@@ -3,7 +3,8 @@
 The Terraform module tags every node with kvpush:cluster (the cluster name), kvpush:role (prefill,
 decode or proxy) and kvpush:index. This command finds the nodes by those tags, checks what EFA needs
 (one EFA interface on every network card the instance type has, one subnet, running state), writes the
-env file that scripts/serve_pd.sh and scripts/run_sweep.sh read, and uploads a results folder to S3.
+env file that scripts/serve_pd.sh and scripts/run_sweep.sh read, uploads a results folder to S3, and
+copies the shared HMAC key from Secrets Manager to a 0600 file (cluster_key.py).
 
 Exit codes: 0 fine, 1 a check found a problem, 2 the command could not run (no credentials, unknown
 region, no nodes, bad arguments); every error is one line that says what to do.
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .cluster_aws import ClusterError, aws_call, aws_pages, aws_session
+from .cluster_key import DEFAULT_KEY_FILE, SECRET_ENV, copy_key
 
 TAG_CLUSTER = "kvpush:cluster"
 TAG_ROLE = "kvpush:role"
@@ -353,6 +355,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="add MODEL=... to the env file")
     for port, default in DEFAULT_PORTS.items():
         p.add_argument(f"--{port.replace('_', '-')}-port", type=int, default=default, dest=f"{port}_port")
+    p = sub.add_parser(
+        "key", parents=[common], help="copy the shared HMAC key from Secrets Manager to a file"
+    )
+    p.add_argument("--secret-id", default=_default(SECRET_ENV), help=f"secret ARN (default: ${SECRET_ENV})")
+    p.add_argument("-o", "--output", type=Path, default=Path(DEFAULT_KEY_FILE), help="file (mode 600)")
+    p.add_argument("--owner", default=None, help="user to own the file (the one who runs the engines)")
     p = sub.add_parser("upload", parents=[common], help="upload a results folder to S3")
     p.add_argument("results_dir", type=Path, help="folder of result files (e.g. results/)")
     p.add_argument(
@@ -379,6 +387,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.action == "upload":
         return _upload(args)
+    if args.action == "key":
+        print(copy_key(aws_session(args.region, args.profile), args.secret_id, args.output, args.owner))
+        return 0
     if not args.name:
         raise ClusterError("no cluster name: pass --name (the stack's `name` variable) or set KVPUSH_CLUSTER")
     session = aws_session(args.region, args.profile)

@@ -26,13 +26,14 @@ log = logging.getLogger("kvpush.vllm")
 
 
 def prefill_address(params: KVTransferParams) -> PrefillAddress:
-    """Where the request's prefill is (call once `params.prefill_address_missing()` is empty)."""
+    """Where the request's prefill is (call once `params.prefill_address_missing()` is empty). A pp_size
+    the router left out is 1: KVTransferParams refuses any other, and a kvpush prefill runs no other."""
     return PrefillAddress(
         str(params.remote_engine_id),
         str(params.remote_host),
         int(params.remote_port or 0),
         params.tp_size,
-        params.pp_size,
+        1 if params.pp_size is None else params.pp_size,
     )
 
 

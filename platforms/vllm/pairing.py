@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from kvpush.endpoint import PrefillAddress
 
-from .params import PAIRING_HEADER, ConnectorSettings, pairing_signature_ok
+from .params import PAIRING_HEADER, ConnectorSettings, check_pp_size, pairing_signature_ok
 
 log = logging.getLogger("kvpush.vllm")
 
@@ -59,10 +59,14 @@ class PairingServer:
                         q.get("host", "127.0.0.1"),
                         int(q["port"]),
                         int(q.get("tp_size", 1)),
-                        int(q.get("pp_size", 1)),
                     )
                 except (KeyError, ValueError) as exc:
                     self._answer(400, {"error": f"need engine_id, port (and host, tp_size): {exc!r}"})
+                    return
+                try:
+                    check_pp_size(int(q.get("pp_size", 1)), "pairing check")
+                except ValueError as exc:
+                    self._answer(400, {"error": str(exc)})
                     return
                 self._answer(*worker.check_pairing(prefill, timeout_s))
 

@@ -30,6 +30,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
     channel is (remote_engine_id, remote_host, remote_port, tp_size, pp_size). transfer_id: the router's
     dispatch id, sent to both engines, so two client requests with the same X-Request-Id never share a
     transfer key. Unknown keys (another router's) are ignored when reading.
+
+    pp_size: None when the router left it out (vllm-router forwards no pp_size). kvpush has no pipeline
+    parallelism: a prefill refuses PP > 1 at start-up, so a prefill the decode can handshake with is PP 1
+    and an omitted pp_size means 1; a pp_size other than 1 is refused here, by name.
     """
 
     do_remote_prefill: bool = False
@@ -38,7 +42,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
     remote_host: str | None = None
     remote_port: int | None = None
     tp_size: int = 1
-    pp_size: int = 1
+    pp_size: int | None = None
     remote_request_id: str | None = None
     remote_block_ids: list[int] | None = None
     transfer_id: str | None = None
@@ -54,9 +58,12 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
         # JSON null means "not set" for every field (vLLM's pull proxy sends remote_* as null).
         present = {k: v for k, v in raw.items() if v is not None}
         try:
-            return msgspec.convert(present, cls, strict=False)
+            params = msgspec.convert(present, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise ValueError(f"invalid kv_transfer_params: {exc}") from None
+        if params.pp_size is not None:
+            check_pp_size(params.pp_size, "kv_transfer_params")
+        return params
 
     def to_dict(self, sparse: bool = False) -> dict[str, Any]:
         """Every field (the shape vLLM's connectors expect), or only those not at their default."""
@@ -71,6 +78,16 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
         return [
             k for k in ("remote_engine_id", "remote_host", "remote_port") if getattr(self, k) in (None, "", 0)
         ]
+
+
+def check_pp_size(pp_size: int, where: str) -> None:
+    """Refuse pipeline parallelism by name wherever a peer's pp_size arrives (ValueError: the callers
+    turn it into their own refusal: a request served without transfer, a 400, a ConfigError)."""
+    if pp_size != 1:
+        raise ValueError(
+            f"{where}: pp_size={pp_size}, but kvpush does not support pipeline parallelism (a kvpush prefill "
+            "runs with pp_size 1 and refuses more at start-up)"
+        )
 
 
 def transfer_key(internal_id: str, params: KVTransferParams) -> str:
@@ -206,13 +223,16 @@ class ConnectorSettings:
                     f"KVPushConnector: prefill_addresses[{i}] must be an object with engine_id and port "
                     f"(and optionally host, tp_size, pp_size), got {entry!r}"
                 )
+            try:
+                check_pp_size(int(entry.get("pp_size", 1)), f"KVPushConnector: prefill_addresses[{i}]")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
             addresses.append(
                 PrefillAddressSpec(
                     str(entry["engine_id"]),
                     str(entry.get("host", "127.0.0.1")),
                     int(entry["port"]),
                     int(entry.get("tp_size", 1)),
-                    int(entry.get("pp_size", 1)),
                 )
             )
         return cls(

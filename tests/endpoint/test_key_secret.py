@@ -1,5 +1,6 @@
-"""The shared key as a secret: from a file or $KVPUSH_HMAC_KEY, refused by name when ambiguous or unsafe,
-never shown by repr/str; and the advertised address, never a wildcard."""
+"""The shared key as a secret: from a file or $KVPUSH_HMAC_KEY (read by from_mapping, never by a
+constructor), refused by name when ambiguous or unsafe, never shown by repr/str; and the advertised
+address, never a wildcard."""
 
 from __future__ import annotations
 
@@ -39,8 +40,28 @@ def test_key_from_a_file_is_loaded_and_replace_keeps_it(tmp_path: Path) -> None:
 
 def test_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(KEY_ENV, B64)
-    assert KVPushConfig().security.hmac_key == KEY
     assert KVPushConfig.from_mapping({"host": "10.0.0.5"}).replace(port=1).security.hmac_key == KEY
+    # the vLLM connector's settings parsing reads it through from_mapping
+    s = ConnectorSettings.from_extra(
+        "prefill", "p0", {"host": "10.0.0.5"}, block_size=16, tp_size=1, pp_size=1
+    )
+    assert s.config.security.hmac_key == KEY
+    s.config.check_listen()
+
+
+def test_constructors_never_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only from_mapping reads $KVPUSH_HMAC_KEY, and only from the mapping it is handed: a config built
+    in code (or a copy of one) holds exactly what it was given."""
+    monkeypatch.setenv(KEY_ENV, B64)
+    assert KVPushConfig().security.hmac_key is None and Security().hmac_key is None
+    assert KVPushConfig(host="10.0.0.5").replace(port=1).security.hmac_key is None
+    assert KVPushConfig.from_mapping({}, environ={}).security.hmac_key is None
+    assert KVPushConfig.from_mapping({}, environ={KEY_ENV: B64}).security.hmac_key == KEY
+    monkeypatch.delenv(KEY_ENV)
+    assert KVPushConfig.from_mapping({}, environ={KEY_ENV: B64}).security.hmac_key == KEY
+    with pytest.raises(ConfigError, match="require_auth=True but no hmac_key"):
+        monkeypatch.setenv(KEY_ENV, B64)
+        Security(require_auth=True)
 
 
 def test_the_vllm_extra_config_takes_a_file_path_instead_of_the_key(tmp_path: Path) -> None:

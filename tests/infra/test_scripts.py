@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,25 +189,92 @@ def test_serve_pd_rejects_bad_settings(tmp_path: Path, settings: dict[str, str],
     assert message in proc.stderr
 
 
-def test_the_generated_configs_of_both_roles_pass_the_connectors_own_parser(tmp_path: Path) -> None:
-    """What serve_pd.sh writes is what the connector reads: both roles keyed from the file, the prefill
-    allowed to listen on the private IP, the decode's pairing check beyond loopback (keyed)."""
+def _parsed_by_the_connector(tmp_path: Path, **settings: str) -> dict[str, Any]:
+    """serve_pd.sh's --kv-transfer-config for both roles, through the connector's own parser (the
+    environment holds no key: from_mapping would read $KVPUSH_HMAC_KEY and refuse a second source)."""
     from kvpush.platforms.vllm.params import ConnectorSettings
 
-    settings = {}
+    parsed = {}
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        config = _kv_config(_dry_run(tmp_path, ROLE=role, MODE="push", PREFILL_HOST="10.0.0.5"))
+        config = _kv_config(_dry_run(tmp_path, ROLE=role, MODE="push", **settings))
         assert config["kv_role"] == kv_role
         extra = config["kv_connector_extra_config"]
         assert isinstance(extra, dict) and KEY not in json.dumps(config)
-        settings[role] = ConnectorSettings.from_extra(
+        parsed[role] = ConnectorSettings.from_extra(
             role, str(config["engine_id"]), extra, block_size=16, tp_size=8, pp_size=1
         )
-    assert settings["prefill"].config.security.hmac_key == base64.b64decode(KEY)
-    assert settings["decode"].config.security.hmac_key == base64.b64decode(KEY)
-    settings["prefill"].config.check_listen()  # 10.0.0.11 is beyond loopback: the key makes it legal
-    assert settings["decode"].pairing_host == "10.0.0.11" and settings["decode"].pairing_port == 5700
-    assert [a.host for a in settings["decode"].prefill_addresses] == ["10.0.0.5"]
+    return parsed
+
+
+def test_the_generated_configs_of_both_roles_pass_the_connectors_own_parser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What serve_pd.sh writes is what the connector reads: both roles keyed from the file, the prefill
+    allowed to listen on the private IP, the decode's pairing check beyond loopback (keyed)."""
+    monkeypatch.delenv("KVPUSH_HMAC_KEY", raising=False)
+    settings = _parsed_by_the_connector(tmp_path, PREFILL_HOST="10.0.0.5", KVPUSH_CLUSTER="c1")
+    prefill, decode = settings["prefill"], settings["decode"]
+    assert (prefill.role, prefill.is_producer, decode.role, decode.is_producer) == (
+        "prefill",
+        True,
+        "decode",
+        False,
+    )
+    key_file = str(tmp_path / "hmac.key")
+    for s, engine_id in ((prefill, "c1-prefill-0"), (decode, "c1-decode-0")):
+        cfg = s.config
+        assert cfg.engine_id == engine_id and cfg.nixl.backends == ("LIBFABRIC",)
+        assert cfg.side_channel.host == cfg.side_channel.advertised == "10.0.0.11"
+        assert cfg.side_channel.port == 5600
+        assert cfg.security.hmac_key_file == key_file and cfg.security.hmac_key == base64.b64decode(KEY)
+        assert cfg.nixl.ucx_net_devices is None  # UCX picks the device that reaches the peer
+    prefill.config.check_listen()  # 10.0.0.11 is beyond loopback: the key makes it legal
+    assert prefill.config.auth_required and prefill.pairing_port == 0 and not prefill.prefill_addresses
+    assert decode.pairing_host == "10.0.0.11" and decode.pairing_port == 5700
+    (address,) = decode.prefill_addresses
+    assert (address.engine_id, address.host, address.port, address.tp_size, address.pp_size) == (
+        "c1-prefill-0",
+        "10.0.0.5",
+        5600,
+        8,
+        1,
+    )
+
+
+def test_a_cluster_nodes_env_file_alone_configures_both_roles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node of terraform/: node.env (as its set-up writes it: the node's IP, the key file it copied
+    from Secrets Manager) and cluster.env are all serve_pd.sh needs; the connector reads the key from that
+    file."""
+    monkeypatch.delenv("KVPUSH_HMAC_KEY", raising=False)
+    key_file = tmp_path / "node-hmac.key"
+    key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
+    (tmp_path / "node.env").write_text(
+        f"KVPUSH_CLUSTER=c2\nKVPUSH_NODE_IP=10.0.1.23\nHMAC_KEY_FILE={key_file}\n"
+        "KVPUSH_HMAC_KEY_SECRET=c2/kvpush-hmac-key\nSIDE_CHANNEL_PORT=5601\n"
+    )
+    (tmp_path / "cluster.env").write_text("PREFILL_HOST=10.0.1.23\nPREFILL_TP_SIZE=4\n")
+    base = _env(tmp_path, DRY_RUN="1", MODE="push")
+    for name in ("HMAC_KEY_FILE", "KV_HOST"):
+        del base[name]
+    parsed = {}
+    from kvpush.platforms.vllm.params import ConnectorSettings
+
+    for role in ("prefill", "decode"):
+        proc = _script("serve_pd.sh", {**base, "ROLE": role})
+        assert proc.returncode == 0, proc.stderr
+        config = _kv_config(shlex.split(proc.stdout))
+        extra = config["kv_connector_extra_config"]
+        assert isinstance(extra, dict)
+        parsed[role] = ConnectorSettings.from_extra(role, str(config["engine_id"]), extra, 16, 4, 1)
+    for s in parsed.values():
+        assert s.config.security.hmac_key_file == str(key_file)
+        assert s.config.security.hmac_key == base64.b64decode(KEY)
+        assert s.config.side_channel.advertised == "10.0.1.23" and s.config.side_channel.port == 5601
+    parsed["prefill"].config.check_listen()
+    assert parsed["decode"].prefill_addresses[0].engine_id == "c2-prefill-0"
 
 
 def test_a_real_start_without_the_key_file_is_refused_with_how_to_make_one(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Real vLLM (CPU) + real NIXL behind vLLM's own router (`vllm-router`, PyPI) instead of kvpush's proxy.
 
 One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-pd-disaggregation`
-(its default `nixl` mode), a single engine as the reference. Also: kvpush's figures on vLLM's own
-/metrics (the connector-stats hooks), and a mismatched pair that never reaches the router.
-Four engine start-ups (P/D, single, one refused decode): 9 minutes measured on the shared 2-core box
-at load average ~17 (other engines running); not yet timed alone.
+(its default `nixl` mode), a single engine as the reference; then the same prefill fanned out to a second
+decode (1P2D) behind a second router, sharing the 1P1D engines (one more start-up, with the reference
+stopped first: at most three engines up). Also: kvpush's figures on vLLM's own /metrics (the
+connector-stats hooks), and a mismatched pair that never reaches the router.
+Five engine start-ups (P/D, single, the second decode, one refused decode): 11.7 minutes for the module
+on the shared 2-core box at load average ~10-12 (other helpers running); the 1P2D test adds ~2 minutes
+(121 s for the second decode and its router to come up, 8 s of requests).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import start_pd, start_single
+from kvpush.platforms.vllm.tools.serve_pd import add_decode, add_router, start_pd, start_single
 from kvpush.platforms.vllm.tools.tiny_model import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -127,6 +130,46 @@ def test_kvpush_figures_appear_on_vllms_own_metrics(pd, model):
     d_ok, d_bytes, d_seconds = figures(decode.url)
     assert p_ok >= 2 and p_bytes == d_bytes > 0 and p_seconds == p_ok and d_seconds == d_ok
     assert 'role="decode"' in "".join(k for k in client.metrics(decode.url) if k.startswith("vllm:kvpush"))
+
+
+def test_router_fans_one_prefill_out_to_two_decodes(pd, single, model, logs):
+    """1P2D: one prefill, two decodes behind one vllm-router (round robin): outputs equal a single
+    engine's, every request pushed to whichever decode the router picked, both decodes used."""
+    prompts = client.make_prompts(8, LENGTHS, seed=13)
+    want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
+    single.stop()  # the reference is done: keep at most three engines up
+    prefill, decode0 = pd.engines[:2]
+    before = len(pd.procs)
+    p0, d0 = _stats(pd, "prefill"), _stats(pd, "decode")
+    started = time.monotonic()
+    try:
+        decode1 = add_decode(pd, logs)  # the same stats_dir: its file is named after its engine id
+        url = add_router(pd, logs, [prefill.url], [decode0.url, decode1.url], "vllm-router-1p2d")
+        up_s = time.monotonic() - started
+        first = client.complete_many(url, model, prompts[:1], MAX_TOKENS, concurrency=1)
+        got = first + client.complete_many(url, model, prompts[1:], MAX_TOKENS, concurrency=4)
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            assert len(w) == MAX_TOKENS and g == w, f"prompt {i}: router 1P2D {g} != single {w}"
+        n = len(prompts)
+
+        def d1() -> dict:
+            path = Path(pd.stats_dir) / f"{decode1.engine_id}-rank0.json"
+            return json.loads(path.read_text()) if path.exists() else {"recv_ok": 0, "recv_bytes": 0}
+
+        def received() -> tuple[int, int]:
+            return _stats(pd, "decode")["recv_ok"] - d0["recv_ok"], d1()["recv_ok"]
+
+        assert _wait(lambda: sum(received()) >= n and _stats(pd, "prefill")["sent_ok"] - p0["sent_ok"] >= n)
+        p, d = _stats(pd, "prefill"), _stats(pd, "decode")
+        assert p["sent_ok"] - p0["sent_ok"] == n and p["sent_failed"] == p0["sent_failed"]
+        assert sum(received()) == n and min(received()) >= 1, f"decodes received {received()}"
+        assert d["recv_failed"] == d0["recv_failed"] and d1()["recv_failed"] == 0
+        assert p["send_bytes"] - p0["send_bytes"] == d["recv_bytes"] - d0["recv_bytes"] + d1()["recv_bytes"]
+        assert _wait(lambda: all(_kv_usage(e.url) == 0.0 for e in (prefill, decode0, decode1)))
+        print(f"1P2D: second decode + router up in {up_s:.0f}s, {n} requests, received {received()}")
+    finally:
+        for proc in reversed(pd.procs[before:]):  # the second decode and router: not needed after this
+            proc.stop()
 
 
 def test_a_mismatched_pair_never_reaches_the_router(model, logs):

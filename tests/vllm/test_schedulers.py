@@ -270,3 +270,17 @@ def test_decode_request_dropped_before_allocation_cancels_the_prefills_hold_unle
     incomplete = request("h", {"do_remote_prefill": True, "remote_engine_id": "prefill-0"})
     assert sched.request_finished(incomplete, ([],)) == (False, None)
     assert len(sched.meta.cancel_recv) == 1
+
+
+def test_decode_takes_an_omitted_pp_size_as_one_and_serves_a_pipeline_parallel_request_locally():
+    """vllm-router forwards no pp_size: the registration goes to a PP-1 prefill (the only kind kvpush runs);
+    a request that names PP > 1 is refused by name and computed on the decode, never registered."""
+    sched = DecodeScheduler(settings("decode"))
+    req = request("d-omitted", {"do_remote_prefill": True, **PREFILL_AT})
+    sched.update_state_after_alloc(req, blocks(4, 5, 6), 40)
+    (item,) = sched.meta.expect
+    assert item.prefill.pp_size == 1
+    pp2 = request("d-pp2", {"do_remote_prefill": True, "pp_size": 2, **PREFILL_AT})
+    assert sched.get_num_new_matched_tokens(pp2, 0) == (0, False)
+    sched.update_state_after_alloc(pp2, blocks(7, 8, 9), 40)
+    assert [e.req_id for e in sched.meta.expect] == ["d-omitted"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from typing import Any
 
@@ -36,6 +37,7 @@ from kvpush.apps.cliutil import log_level, port, positive_float
 from kvpush.config import key_from_file_or_env
 from kvpush.errors import ConfigError
 
+from ..params import check_pp_size
 from .proxy_http import (
     TIMINGS_TOKEN_ENV,
     ClientError,
@@ -241,7 +243,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _pairing_key(path: str | None) -> bytes | None:
     """The shared key for signing pairing checks, by the connector's own rules (kvpush.config)."""
     try:
-        key, _source = key_from_file_or_env(path)
+        key, _source = key_from_file_or_env(path, os.environ)
     except ConfigError as exc:
         raise SystemExit(f"kvpush proxy: {exc}") from None
     return key
@@ -254,6 +256,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     ports = _expand(args.prefill_kv_port, n, 0, "prefill-kv-port")
     tps = _expand(args.prefill_tp_size, n, 1, "prefill-tp-size")
     pps = _expand(args.prefill_pp_size, n, 1, "prefill-pp-size")
+    for pp in pps:
+        try:
+            check_pp_size(pp, "kvpush proxy: --prefill-pp-size")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.mode == "push" and (not all(ids) or not all(ports)):
         raise SystemExit("push mode needs --prefill-engine-id and --prefill-kv-port for each --prefill")
     prefill = [

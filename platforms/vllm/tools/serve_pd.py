@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -359,8 +359,7 @@ def start_pd(
         for spec in (prefill, decode):
             wait_healthy(spec.url, procs, health_timeout_s)
         if start_proxy and router == "vllm-router":
-            argv = router_argv(x_port, [prefill.url], [decode.url], free_port())
-            procs.append(Started("vllm-router", argv, dict(os.environ), log_dir / "vllm-router.log"))
+            procs.append(_router_proc(x_port, [prefill.url], [decode.url], log_dir / "vllm-router.log"))
             url = f"http://127.0.0.1:{x_port}"
         if url:
             wait_healthy(url, procs, 60, any_answer=not proxy_must_be_healthy)
@@ -369,6 +368,39 @@ def start_pd(
         for p in reversed(procs):
             p.stop()
         raise
+
+
+def _router_proc(port: int, prefills: list[str], decodes: list[str], log: Path) -> Started:
+    return Started(log.stem, router_argv(port, prefills, decodes, free_port()), dict(os.environ), log)
+
+
+def add_decode(
+    dep: Deployment, log_dir: Path, extra: dict[str, Any] | None = None, health_timeout_s: float = 300.0
+) -> EngineSpec:
+    """One more decode for dep's prefill (1P-nD behind a router): the first decode's settings with its own
+    ports, engine id and pairing port, plus `extra` (give it its own stats_dir). Stopped with dep."""
+    first = next(e for e in dep.engines if e.role == "decode")
+    n = sum(e.role == "decode" for e in dep.engines)
+    config = {**first.extra_config, **(extra or {})}
+    if "pairing_port" in first.extra_config:
+        config["pairing_port"] = free_port()
+    d_port, d_kv = free_ports(2, span=8)
+    spec = replace(first, port=d_port, kv_port=d_kv, engine_id=f"{first.engine_id}-{n}", extra_config=config)
+    argv, env = spec.command()
+    name = f"{dep.connector}-decode-{n}"
+    dep.procs.append(Started(name, argv, env, log_dir / f"{name}.log"))
+    dep.engines.append(spec)
+    wait_healthy(spec.url, dep.procs[-1:], health_timeout_s)
+    return spec
+
+
+def add_router(dep: Deployment, log_dir: Path, prefills: list[str], decodes: list[str], name: str) -> str:
+    """Another vllm-router in front of these engines (log `name`.log); its URL once it answers /health."""
+    x_port = free_port()
+    dep.procs.append(_router_proc(x_port, prefills, decodes, log_dir / f"{name}.log"))
+    url = f"http://127.0.0.1:{x_port}"
+    wait_healthy(url, dep.procs[-1:], 60)
+    return url
 
 
 def start_single(

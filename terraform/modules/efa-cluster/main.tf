@@ -55,6 +55,9 @@ locals {
     vllm_pip_spec         = var.vllm_pip_spec
     vllm_neuron_pip_spec  = var.vllm_neuron_pip_spec
     results_bucket        = var.results_bucket
+    hmac_key_secret       = local.hmac_key_secret_name
+    hmac_key_file         = local.hmac_key_file
+    node_user             = var.node_user
   }
 }
 

@@ -83,6 +83,11 @@ output "cluster_env" {
   EOT
 }
 
+output "hmac_key_secret_arn" {
+  description = "The Secrets Manager secret holding the shared HMAC key (the ARN, not the key): `kvpush cluster key --secret-id` copies it to a 0600 file."
+  value       = aws_secretsmanager_secret.hmac_key.arn
+}
+
 output "setup_scripts" {
   description = "The rendered set-up script of each role (what cloud-init runs), for review."
   value       = local.setup_scripts

@@ -183,6 +183,28 @@ variable "kms_key_id" {
   default     = ""
 }
 
+variable "secrets_kms_key_id" {
+  description = "KMS key ARN that encrypts the shared HMAC key's secret. Empty: the account's aws/secretsmanager key."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = var.secrets_kms_key_id == "" || can(regex("^arn:aws[a-z-]*:kms:", var.secrets_kms_key_id))
+    error_message = "The secrets_kms_key_id must be empty or a KMS key ARN (the node role's kms:Decrypt grant names it)."
+  }
+}
+
+variable "node_user" {
+  description = "The login user that runs the engines on the nodes (owns the 0600 HMAC key file); the AMIs' default is ubuntu."
+  type        = string
+  default     = "ubuntu"
+
+  validation {
+    condition     = can(regex("^[a-z_][a-z0-9_-]{0,31}$", var.node_user))
+    error_message = "The node_user must be a Linux user name."
+  }
+}
+
 variable "ports" {
   description = "TCP ports: the proxy, the prefill and decode vLLM servers, and the first NIXL side-channel port (ranks add their offset)."
   type = object({

@@ -27,3 +27,8 @@ output "cluster_env" {
   description = "Env file for scripts/serve_pd.sh and scripts/run_sweep.sh (`terraform output -raw cluster_env > cluster.env`)."
   value       = "KVPUSH_REGION=${var.region}\n${module.cluster.cluster_env}"
 }
+
+output "hmac_key_secret_arn" {
+  description = "Secret holding the shared HMAC key (the ARN only): the nodes copy it to /etc/kvpush/hmac.key; elsewhere `kvpush cluster key --secret-id ARN --output FILE`."
+  value       = module.cluster.hmac_key_secret_arn
+}

@@ -8,6 +8,31 @@ mock_provider "aws" {
     }
   }
 
+  mock_data "aws_secretsmanager_random_password" {
+    defaults = {
+      random_password = "MockKeyMockKeyMockKeyMockKeyMockKeyMockKey12"
+    }
+  }
+
+  # ARNs the provider validates when the mocked plan is applied (the key's runs below use apply)
+  mock_resource "aws_iam_instance_profile" {
+    defaults = {
+      arn = "arn:aws:iam::111122223333:instance-profile/kvpush-test-node"
+    }
+  }
+
+  mock_resource "aws_launch_template" {
+    defaults = {
+      id = "lt-0123456789abcdef0"
+    }
+  }
+
+  mock_resource "aws_secretsmanager_secret" {
+    defaults = {
+      arn = "arn:aws:secretsmanager:us-east-2:111122223333:secret:kvpush-test/kvpush-hmac-key-AbCdEf"
+    }
+  }
+
   mock_data "aws_partition" {
     defaults = {
       partition = "aws"
@@ -214,4 +239,61 @@ run "a_malformed_efa_installer_checksum_is_refused" {
   }
 
   expect_failures = [var.efa_installer_sha256]
+}
+
+run "the_hmac_key_is_a_secret_only_the_node_role_reads" {
+  command = apply
+
+  assert {
+    condition     = aws_secretsmanager_secret_version.hmac_key.secret_id == aws_secretsmanager_secret.hmac_key.id && aws_secretsmanager_secret_version.hmac_key.secret_string == "MockKeyMockKeyMockKeyMockKeyMockKeyMockKey12"
+    error_message = "The generated key must be the secret's value."
+  }
+
+  assert {
+    condition     = aws_secretsmanager_secret.hmac_key.name == "kvpush-test/kvpush-hmac-key" && aws_secretsmanager_secret.hmac_key.kms_key_id == null
+    error_message = "The secret is named after the cluster and encrypted with the account's Secrets Manager key by default."
+  }
+
+  assert {
+    condition     = aws_iam_role_policy.hmac_key.role == aws_iam_role.node.id && jsondecode(aws_iam_role_policy.hmac_key.policy).Statement == [{ Sid = "ReadTheClusterKey", Effect = "Allow", Action = ["secretsmanager:GetSecretValue"], Resource = aws_secretsmanager_secret.hmac_key.arn }]
+    error_message = "The node role, and only this grant, may read exactly this secret."
+  }
+
+  assert {
+    condition     = alltrue([for role, script in output.setup_scripts : strcontains(script, "cluster key --region \"$REGION\" --secret-id \"kvpush-test/kvpush-hmac-key\"") && strcontains(script, "HMAC_KEY_FILE=\"/etc/kvpush/hmac.key\"") && !strcontains(script, "MockKeyMockKey")])
+    error_message = "Every node copies the key from the secret into /etc/kvpush/hmac.key, and no script holds the key."
+  }
+
+  assert {
+    condition     = !strcontains(jsonencode([output.cluster_env, output.nodes, output.hmac_key_secret_arn, output.instance_profile]), "MockKeyMockKey")
+    error_message = "No output may show the key."
+  }
+}
+
+run "a_customer_kms_key_encrypts_the_secret_and_the_node_role_may_decrypt_through_secrets_manager" {
+  command = apply
+
+  variables {
+    secrets_kms_key_id = "arn:aws:kms:us-east-2:111122223333:key/0123abcd-0123-0123-0123-0123456789ab"
+  }
+
+  assert {
+    condition     = aws_secretsmanager_secret.hmac_key.kms_key_id == var.secrets_kms_key_id
+    error_message = "secrets_kms_key_id must encrypt the secret."
+  }
+
+  assert {
+    condition     = jsondecode(aws_iam_role_policy.hmac_key.policy).Statement[1] == { Sid = "DecryptTheClusterKey", Effect = "Allow", Action = ["kms:Decrypt"], Resource = var.secrets_kms_key_id, Condition = { StringLike = { "kms:ViaService" = "secretsmanager.*.amazonaws.com" } } }
+    error_message = "The node role may use that key only through Secrets Manager."
+  }
+}
+
+run "rejects_a_kms_key_that_is_not_an_arn" {
+  command = plan
+
+  variables {
+    secrets_kms_key_id = "alias/my-key"
+  }
+
+  expect_failures = [var.secrets_kms_key_id]
 }
