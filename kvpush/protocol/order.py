@@ -32,15 +32,25 @@ def write_order(
     """The WRITE for `act` from this rank's layout `src` into the decode rank's `dst`: indices into the
     pair's prepared lists when it has them (`units`), else fresh descriptor lists. LayoutError if the
     blocks do not fit."""
-    plan: TransferPlan | IndexPlan
+    plan = write_plan(act, src, dst, units)
+    return WriteOrder(plan, sealed_done(act, src.tp_rank, plan.nbytes, session))
+
+
+def write_plan(
+    act: StartWrite, src: KVLayout, dst: KVLayout, units: PairUnits | None
+) -> TransferPlan | IndexPlan:
+    """write_order's first half, the plan (the push thread times the two halves apart)."""
     if units is not None:
-        plan = build_index_plan(units, act.src_blocks, act.dst_blocks, act.num_tokens)
-    else:
-        plan = build_plan(src, dst, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads)
+        return build_index_plan(units, act.src_blocks, act.dst_blocks, act.num_tokens)
+    return build_plan(src, dst, act.src_blocks, act.dst_blocks, act.num_tokens, heads=act.heads)
+
+
+def sealed_done(act: StartWrite, prefill_rank: int, nbytes: int, session: Session) -> bytes:
+    """write_order's second half: the TransferDone the WRITE carries, sealed for the decode rank."""
     done = TransferDone(
-        request_id=act.request_id, attempt=act.attempt, prefill_rank=src.tp_rank, nbytes=plan.nbytes
+        request_id=act.request_id, attempt=act.attempt, prefill_rank=prefill_rank, nbytes=nbytes
     )
-    return WriteOrder(plan, session.seal(done, NOTIF))
+    return session.seal(done, NOTIF)
 
 
 def failure_notice(act: NotifyFailure, prefill_rank: int, session: Session) -> bytes:
