@@ -24,7 +24,7 @@ import zmq
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.layout import KVLayout
-from ..protocol.order import failure_notice, write_order
+from ..protocol.order import failure_notice, sealed_done, write_plan
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
@@ -42,12 +42,16 @@ __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"
 
 log = logging.getLogger("kvpush")
 
-# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log: registered,
-# prefill_done, plan_built, posted, complete (the poll that saw DONE; with UCX the WRITE's notification
-# leaves inside that call, so it is also when the notification was sent).
-# `made`: the transfer was made and its post began; on UCX loopback the copy runs inside the post, so
-# posted - made is the copy and prefill_done -> made is the per-request cost without it.
-TIMELINE = ("registered", "prefill_done", "plan_built", "made", "posted", "complete")
+# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log, in order:
+# registered, prefill_done (the engine's call; the later of the two is the trigger), picked (the push
+# thread began the StartWrite: the wake-up and the machine are behind it), plan_built (the plan),
+# sealed (its TransferDone sealed), queued (in the WRITE scheduler), made (the transfer was made and its
+# post began; on UCX loopback the copy runs inside the post, so posted - made is the copy and
+# trigger -> made is kvpush's per-WRITE cost without it), posted, complete (the poll that saw DONE; with
+# UCX the WRITE's notification leaves inside that call, so it is also when the notification was sent).
+TIMELINE = (
+    "registered", "prefill_done", "picked", "plan_built", "sealed", "queued", "made", "posted", "complete"
+)  # fmt: skip
 
 
 class PushThread(EndpointThread[SendResult]):
@@ -247,6 +251,7 @@ class PushThread(EndpointThread[SendResult]):
         marks = self.timeline.setdefault(act.request_id, {})
         marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
         marks.setdefault("registered", now)
+        marks.setdefault("picked", now)
         try:
             peer = self.conns.peers.get(dest)
             if peer is None:
@@ -256,11 +261,12 @@ class PushThread(EndpointThread[SendResult]):
             session = self.conns.session(dest)
             if session is None:
                 raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            order = write_order(act, self.layout, peer.layout, prep.units if prep else None, session)
+            plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
         except (LayoutError, TransportError) as exc:
             return self._settle([Settled(act, False, 0, str(exc), kind=_failure_of(exc))])
-        plan, spec = order.plan, self._spec(order.plan, order.notif, peer.agent, prep)
         marks.setdefault("plan_built", time.monotonic())
+        spec = self._spec(plan, sealed_done(act, self.layout.tp_rank, plan.nbytes, session), peer.agent, prep)
+        marks.setdefault("sealed", time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "kvpush push %s: queued %.1f ms, plan %.1f ms, %d descriptors, %d bytes",
@@ -271,6 +277,7 @@ class PushThread(EndpointThread[SendResult]):
                 plan.nbytes,
             )
         self.scheduler.queue(act, plan, spec, now)
+        marks.setdefault("queued", time.monotonic())
         return []
 
     def _spec(

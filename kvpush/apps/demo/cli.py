@@ -324,9 +324,22 @@ def _p50(values: list[float]) -> float:
     return round(statistics.median(values), 1) if values else 0.0
 
 
+# The per-WRITE stages of the push thread's timeline (kvpush.endpoint.prefill.TIMELINE), in order; each
+# span runs from the previous stage's mark ("trigger": the later of registration and prefill-done).
+STAGES = (
+    ("wake", "picked"),  # the thread hop (doorbell or side channel) and the sender machine
+    ("plan", "plan_built"),
+    ("seal", "sealed"),
+    ("queue", "queued"),
+    ("make", "made"),  # dispatch (budget, posting thread) and NIXL's make_prepped_xfer
+    ("copy", "posted"),  # the post; on UCX loopback the copy runs inside it
+)
+
+
 def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
     """Per-request fixed cost, p50 in microseconds: the trigger is the later of registration and
-    prefill-done (what lets the WRITE start); decode_ready is the decode endpoint's result time."""
+    prefill-done (what lets the WRITE start); decode_ready is the decode endpoint's result time.
+    `stages`: each span of STAGES; `kvpush_per_write`: trigger -> made (kvpush's own work, no copy)."""
     spans: dict[str, list[float]] = {
         "trigger_to_plan_built": [],
         "trigger_to_posted": [],
@@ -338,6 +351,7 @@ def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
         "trigger_to_made": [],
         "made_to_posted": [],
     }
+    stages: dict[str, list[float]] = {name: [] for name, _ in STAGES}
     for r in reqs:
         t = r.timeline or {}
         if not r.ok or not {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(t):
@@ -352,7 +366,14 @@ def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
         if "made" in t:
             spans["trigger_to_made"].append(1e6 * (t["made"] - trigger))
             spans["made_to_posted"].append(1e6 * (t["posted"] - t["made"]))
+        if all(mark in t for _, mark in STAGES):
+            prev = trigger
+            for name, mark in STAGES:
+                stages[name].append(1e6 * (t[mark] - prev))
+                prev = t[mark]
     out: dict[str, Any] = {k: _p50(v) for k, v in spans.items()}
+    out["kvpush_per_write"] = out["trigger_to_made"]
+    out["stages"] = {k: _p50(v) for k, v in stages.items()}
     out["requests"] = len(spans["trigger_to_posted"])
     return out
 
