@@ -161,6 +161,35 @@ def _reference(
     return ("ref_done", at, done, plan.nbytes, src.shape[0])
 
 
+def layered_prefill(
+    eps: list[Any],
+    caches: list[Any],
+    rid: str,
+    blocks: list[int],
+    n: int,
+    tag: int,
+    per_layer_s: float,
+    streamed: bool,
+) -> tuple[float, float]:
+    """A synthetic prefill, layer by layer: each layer's compute (a sleep: on a GPU the host is free while
+    the kernels run), then its KV written (the pattern), then, streamed, reported ready with kv_ready;
+    prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written."""
+    start = time.monotonic()
+    for layer in range(caches[0].layout.num_layers):
+        time.sleep(per_layer_s)
+        for c in caches:
+            host = c.to_host()
+            fill(host, c.layout, blocks, n, tag, range(layer, layer + 1))
+            c.from_host(host)
+        if streamed:
+            for ep in eps:
+                ep.kv_ready(rid, blocks, n, layers=(layer, layer + 1))
+    end = time.monotonic()
+    for ep in eps:
+        ep.prefill_done(rid, blocks, n)
+    return start, end
+
+
 def _logging() -> None:
     level = os.environ.get("KVPUSH_LOG")
     if level:
@@ -201,6 +230,14 @@ def prefill_main(
                         c.from_host(host)
                     live[rid] = (blocks, n, set(), [], {})
                     conn.send(("prepared", rid, blocks))
+                elif kind == "caps":  # what the streamed demo may call on this build's endpoints
+                    conn.send(("caps", all(hasattr(ep, "kv_ready") for ep in eps)))
+                elif kind == "prefill_layers":  # a layer-by-layer prefill (kvpush demo --stream)
+                    _, rid, n, tag, per_layer_s, streamed = cmd
+                    blocks = alloc.allocate(blocks_for(n, geo.block_size))
+                    live[rid] = (blocks, n, set(), [], {})
+                    start, end = layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+                    conn.send(("prefilled_layers", rid, start, end, blocks))
                 elif kind == "prefill_done":
                     rid = cmd[1]
                     blocks, n = live[rid][0], live[rid][1]
