@@ -173,7 +173,10 @@ def layered_prefill(
 ) -> tuple[float, float]:
     """A synthetic prefill, layer by layer: each layer's compute (a sleep: on a GPU the host is free while
     the kernels run), then its KV written (the pattern), then, streamed, reported ready with kv_ready;
-    prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written."""
+    prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written.
+    On CUDA caches the compute is a kernel delay on the device (see _cuda_layered_prefill)."""
+    if getattr(caches[0], "device_type", "") == "cuda":
+        return _cuda_layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
     start = time.monotonic()
     for layer in range(caches[0].layout.num_layers):
         time.sleep(per_layer_s)
@@ -188,6 +191,56 @@ def layered_prefill(
     for ep in eps:
         ep.prefill_done(rid, blocks, n)
     return start, end
+
+
+def _cuda_layered_prefill(
+    eps: list[Any],
+    caches: list[Any],
+    rid: str,
+    blocks: list[int],
+    n: int,
+    tag: int,
+    per_layer_s: float,
+    streamed: bool,
+) -> tuple[float, float]:
+    """The GPU form: the pattern is made on the host first (not timed); then per layer, on the device's
+    stream, a kernel that spins per_layer_s (torch.cuda._sleep), the layer's planes copied in, and a CUDA
+    event whose synchronize is the range's kv_written barrier: the engine thread only enqueues, the push
+    thread waits on the event. `end` is when the last layer's event completed."""
+    import torch
+
+    hosts = []
+    for c in caches:
+        host = c.to_host()
+        fill(host, c.layout, blocks, n, tag)
+        hosts.append(torch.from_numpy(host).pin_memory())  # so each layer's copy is truly asynchronous
+    dev = caches[0].device
+    cycles = int(per_layer_s * torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # clock_rate: kHz
+    for c in caches:
+        torch.cuda.synchronize(c.device)
+    start = time.monotonic()
+    events: list[Any] = [None] * len(caches)
+    for layer in range(caches[0].layout.num_layers):
+        for i, (c, host) in enumerate(zip(caches, hosts, strict=True)):
+            with torch.cuda.device(c.device):
+                if cycles:
+                    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+                size = (c.layout.num_blocks - 1) * c.layout.block_stride + c.layout.block_bytes
+                for kv in range(c.layout.kv_per_layer):
+                    p = c.layout.plane(layer, kv)
+                    c.flat[p.region][p.offset : p.offset + size].copy_(
+                        host[p.offset : p.offset + size], non_blocking=True
+                    )
+                events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                events[i].record()
+        if streamed:
+            for ep, ev in zip(eps, events, strict=True):
+                ep.kv_ready(rid, blocks, n, layers=(layer, layer + 1), kv_written=ev.synchronize)
+    for ep, ev in zip(eps, events, strict=True):
+        ep.prefill_done(rid, blocks, n, kv_written=ev.synchronize)
+    for ev in events:
+        ev.synchronize()
+    return start, time.monotonic()
 
 
 def _logging() -> None:
