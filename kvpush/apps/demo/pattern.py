@@ -68,6 +68,13 @@ def fill(
                     view[blk, g - lo, pos] = rows
 
 
+def copy_layer(dst: U8, src: U8, layout: KVLayout, blocks: list[int], layer: int) -> None:
+    """Copy one layer's planes of these blocks from src to dst (same layout): a layer "computed"."""
+    idx = np.asarray(blocks, dtype=np.int64)
+    for kv in range(layout.kv_per_layer):
+        _plane_view(dst, layout, layer, kv)[idx] = _plane_view(src, layout, layer, kv)[idx]
+
+
 def count_wrong_bytes(buffer: U8, layout: KVLayout, blocks: list[int], n: int, request_tag: int) -> int:
     """How many bytes of the request's units differ from the pattern (0 = every byte verified)."""
     blk, pos = _token_index(layout, blocks, n)

@@ -15,9 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvpush.apps.blocks import BlockPool, shuffled_runs
-from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
+from kvpush.apps.demo.pattern import copy_layer, count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
@@ -161,6 +162,11 @@ def _reference(
     return ("ref_done", at, done, plan.nbytes, src.shape[0])
 
 
+_STAGING: dict[
+    int, npt.NDArray[np.uint8]
+] = {}  # cache id -> a host buffer of its layout where patterns are made
+
+
 def layered_prefill(
     eps: list[Any],
     caches: list[Any],
@@ -172,17 +178,24 @@ def layered_prefill(
     streamed: bool,
 ) -> tuple[float, float]:
     """A synthetic prefill, layer by layer: each layer's compute (a sleep: on a GPU the host is free while
-    the kernels run), then its KV written (the pattern), then, streamed, reported ready with kv_ready;
+    the kernels run), then its KV written (the layer's blocks copied in from a pattern made beforehand),
+    then, streamed, reported ready with kv_ready;
     prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written.
     On CUDA caches the compute is a kernel delay on the device (see _cuda_layered_prefill)."""
     if getattr(caches[0], "device_type", "") == "cuda":
         return _cuda_layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+    hosts = [c.to_host() for c in caches]
+    for c, h in zip(caches, hosts, strict=True):
+        if id(c) not in _STAGING:
+            _STAGING[id(c)] = np.zeros_like(h)
+    staged = [_STAGING[id(c)] for c in caches]
+    for c, stage in zip(caches, staged, strict=True):  # the pattern is made before the prefill starts
+        fill(stage, c.layout, blocks, n, tag)  # (not timed) ...
     start = time.monotonic()
     for layer in range(caches[0].layout.num_layers):
         time.sleep(per_layer_s)
-        for c in caches:
-            host = c.to_host()
-            fill(host, c.layout, blocks, n, tag, range(layer, layer + 1))
+        for c, host, stage in zip(caches, hosts, staged, strict=True):  # ... and lands layer by layer
+            copy_layer(host, stage, c.layout, blocks, layer)
             c.from_host(host)
         if streamed:
             for ep in eps:
