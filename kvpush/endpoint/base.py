@@ -16,6 +16,7 @@ from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.ranges import StreamPolicy
 from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message, request_problem
 from ..transport.base import Transport
@@ -28,6 +29,18 @@ if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self from 3.11; annotations only
 
 log = logging.getLogger("kvpush")
+
+
+# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log, in order:
+# registered, prefill_done (the engine's call; the later of the two is the trigger), picked (the push
+# thread began the StartWrite: the wake-up and the machine are behind it), plan_built (the plan),
+# sealed (its TransferDone sealed), queued (in the WRITE scheduler), made (the transfer was made and its
+# post began; on UCX loopback the copy runs inside the post, so posted - made is the copy and
+# trigger -> made is kvpush's per-WRITE cost without it), posted, complete (the poll that saw DONE; with
+# UCX the WRITE's notification leaves inside that call, so it is also when the notification was sent).
+TIMELINE = (
+    "registered", "prefill_done", "picked", "plan_built", "sealed", "queued", "made", "posted", "complete"
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,7 +65,7 @@ class SendResult:
     reason: str = ""
     nbytes: int = 0
     done_at: float = 0.0
-    # monotonic marks of this request on the push thread (see kvpush.endpoint.prefill.TIMELINE)
+    # monotonic marks of this request on the push thread (see TIMELINE)
     timeline: dict[str, float] = field(default_factory=dict, compare=False)
     failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 
@@ -294,3 +307,10 @@ def _drain(q: queue.SimpleQueue[R]) -> list[R]:
             out.append(q.get_nowait())
         except queue.Empty:
             return out
+
+
+def stream_policy(config: KVPushConfig, layout: KVLayout) -> StreamPolicy:
+    """The streaming thresholds, with this rank's bytes per token per layer to size a range by."""
+    per_token_layer = layout.kv_per_layer * layout.num_kv_heads * layout.unit_bytes
+    s = config.streaming
+    return StreamPolicy(s.min_tokens, s.min_bytes, per_token_layer)

@@ -15,6 +15,7 @@ queued on the WRITE scheduler (writes.py), whose settlements come back, one `Set
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -24,13 +25,22 @@ import zmq
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.layout import KVLayout
-from ..protocol.order import failure_notice, sealed_done, write_plan
+from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
-from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
+from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
-from .base import Endpoint, EndpointThread, SendResult, TransferHooks, TransportSource, checked_blocks
+from .base import (
+    TIMELINE,
+    Endpoint,
+    EndpointThread,
+    SendResult,
+    TransferHooks,
+    TransportSource,
+    checked_blocks,
+    stream_policy,
+)
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
 from .posting import DescWrite, PreparedWrite, WriteSpec
@@ -41,17 +51,6 @@ from .writes import Settled, WriteScheduler
 __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"]
 
 log = logging.getLogger("kvpush")
-
-# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log, in order:
-# registered, prefill_done (the engine's call; the later of the two is the trigger), picked (the push
-# thread began the StartWrite: the wake-up and the machine are behind it), plan_built (the plan),
-# sealed (its TransferDone sealed), queued (in the WRITE scheduler), made (the transfer was made and its
-# post began; on UCX loopback the copy runs inside the post, so posted - made is the copy and
-# trigger -> made is kvpush's per-WRITE cost without it), posted, complete (the poll that saw DONE; with
-# UCX the WRITE's notification leaves inside that call, so it is also when the notification was sent).
-TIMELINE = (
-    "registered", "prefill_done", "picked", "plan_built", "sealed", "queued", "made", "posted", "complete"
-)  # fmt: skip
 
 
 class PushThread(EndpointThread[SendResult]):
@@ -67,9 +66,13 @@ class PushThread(EndpointThread[SendResult]):
             config.leases.lease_s,
             config.leases.tombstone_s,
             config.limits.max_pending_per_peer,  # also caps the tombstones one engine's aborts leave
+            layout.num_layers,
+            stream_policy(config, layout),
         )
         self.prefill_done_at: dict[str, float] = {}
-        self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
+        self.kv_written: dict[
+            str, list[Callable[[], None]]
+        ] = {}  # request -> the engine's barriers, until used
         self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
         self.timeline: dict[str, dict[str, float]] = {}  # request -> TIMELINE marks so far
         # an abandoned WRITE may still read its source until write_linger_s after it was given up: the
@@ -168,7 +171,9 @@ class PushThread(EndpointThread[SendResult]):
         if isinstance(event, Admitted):
             reg = event.registration
             self.timeline.setdefault(reg.request_id, {}).setdefault("registered", event.at)
-            self._apply(self.state.on_registration(reg, event.at))
+            peer = self.conns.peers.get((reg.decode_engine_id, reg.decode_rank))
+            align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
+            self._apply(self.state.on_registration(reg, event.at, align))
         elif isinstance(event, DecodeAborted):
             self._apply(self.state.on_decode_abort(event.abort, time.monotonic()))
         else:
@@ -188,6 +193,8 @@ class PushThread(EndpointThread[SendResult]):
                     pending.extend(self._start_write(act))
                 elif isinstance(act, NotifyFailure):
                     self._notify_failure(act)
+                elif isinstance(act, NotifyDone):
+                    self._notify_done(act)
                 else:
                     self._release(act)
             if not self.scheduler.queues:
@@ -199,6 +206,8 @@ class PushThread(EndpointThread[SendResult]):
                 # should leave now rather than after the next loop round
                 pending.extend(self._settle(self.scheduler.progress(time.monotonic())))
             for a in self.scheduler.take_nudges():  # tell the decodes after the first poll: Posted
+                if not a.notify:
+                    continue  # a range before the last: the decode has nothing to wait for yet
                 posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
                 if self.conns.send_to((a.decode_engine_id, a.decode_rank), posted):
                     self.ledger.add(Count.NUDGES)
@@ -249,7 +258,8 @@ class PushThread(EndpointThread[SendResult]):
         self.ledger.add(Count(act.order))
         dest = (act.decode_engine_id, act.decode_rank)
         marks = self.timeline.setdefault(act.request_id, {})
-        marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
+        if act.notify:
+            marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
         marks.setdefault("registered", now)
         marks.setdefault("picked", now)
         try:
@@ -293,8 +303,7 @@ class PushThread(EndpointThread[SendResult]):
     def _source_ready(self, act: StartWrite) -> None:
         """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
         (a device event, say) and let the backend stage the blocks; both run here, on the push thread."""
-        barrier = self.kv_written.pop(act.request_id, None)
-        if barrier is not None:
+        for barrier in self.kv_written.pop(act.request_id, ()):  # every range reported so far: all in order
             try:
                 barrier()
             except Exception as exc:  # a failed barrier fails this request, not the thread
@@ -305,6 +314,18 @@ class PushThread(EndpointThread[SendResult]):
             except Exception as exc:  # likewise: the request fails with the reason
                 raise TransportError(f"staging the source blocks failed: {exc!r}") from exc
             self.staged.add(act.request_id)
+
+    def _notify_done(self, act: NotifyDone) -> None:
+        """Every range landed and no WRITE carried the notification: it goes alone."""
+        dest = (act.decode_engine_id, act.decode_rank)
+        peer, session = self.conns.peers.get(dest), self.conns.session(dest)
+        try:
+            if peer is None or session is None:
+                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
+            notice = done_notice(act.request_id, act.attempt, self.layout.tp_rank, act.nbytes, session)
+            self.transport.send_notif(peer.agent, notice)
+        except TransportError as exc:  # the decode's fence or liveness check ends its wait
+            log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
 
     def _notify_failure(self, act: NotifyFailure) -> None:
         dest = (act.decode_engine_id, act.decode_rank)
@@ -367,10 +388,27 @@ class PushThread(EndpointThread[SendResult]):
         decode_engine_id: str = "",
     ) -> None:
         self.prefill_done_at[request_id] = at
+        self.timeline.setdefault(request_id, {})["prefill_done"] = at
         if kv_written is not None:
-            self.kv_written[request_id] = kv_written
+            self.kv_written.setdefault(request_id, []).append(kv_written)
         now = time.monotonic()
         self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, now, decode_engine_id))
+
+    def cmd_kv_ready(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        layers: tuple[int, int] | None,
+        kv_written: Callable[[], None] | None,
+        decode_engine_id: str,
+    ) -> None:
+        if kv_written is not None:
+            self.kv_written.setdefault(request_id, []).append(kv_written)
+        if self.hooks is not None:
+            return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
+        now = time.monotonic()
+        self._apply(self.state.on_kv_ready(request_id, block_ids, num_tokens, layers, now, decode_engine_id))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
@@ -424,6 +462,30 @@ class PrefillEndpoint(Endpoint[SendResult]):
         self._push.submit(
             lambda: self._push.cmd_prefill_done(
                 request_id, blocks, num_tokens, at, kv_written, decode_engine_id
+            )
+        )
+
+    def kv_ready(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        layers: tuple[int, int] | None = None,
+        kv_written: Callable[[], None] | None = None,
+        decode_engine_id: str = "",
+    ) -> None:
+        """Streamed push: the first `num_tokens` tokens of layers [layers[0], layers[1]) (None: all) are
+        computed into block_ids (a prefix of the table prefill_done will give). Their WRITEs may start now;
+        prefill_done stays the terminal call. From the first kv_ready the blocks are the endpoint's until
+        its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
+        prefill_done; every barrier reported so far is called before a WRITE reads the blocks.
+        """
+        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        if layers is not None and not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
+            raise LayoutError(f"kv_ready {request_id!r}: layers {layers} outside 0..{self.layout.num_layers}")
+        self._push.submit(
+            lambda: self._push.cmd_kv_ready(
+                request_id, blocks, num_tokens, layers, kv_written, decode_engine_id
             )
         )
 

@@ -24,6 +24,13 @@ class StartWrite:
     num_tokens: int
     heads: HeadRange
     order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
+    # Streamed push: this WRITE moves tokens [token_start, num_tokens) of `layers` (None: all layers).
+    # `notify`: it carries the decode rank's TransferDone, whose byte count adds `landed` (bytes of this
+    # rank's earlier ranges, already landed); a WRITE of a range before the last carries nothing.
+    token_start: int = 0
+    layers: tuple[int, int] | None = None
+    notify: bool = True
+    landed: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,18 @@ class NotifyFailure:
 
 
 @dataclass(frozen=True)
+class NotifyDone:
+    """Every range of a streamed request landed, and none of their WRITEs carried the notification: tell
+    the decode rank alone (TransferDone with the rank's total bytes)."""
+
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ReleaseSource:
     request_id: str
     block_ids: tuple[int, ...]
@@ -47,4 +66,4 @@ class ReleaseSource:
     kind: Failure | None = field(default=None, compare=False)  # None when ok
 
 
-SenderAction = StartWrite | NotifyFailure | ReleaseSource
+SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource
