@@ -206,6 +206,24 @@ def layered_prefill(
     return start, end
 
 
+_SLEEP_RATE: dict[int, float] = {}
+
+
+def _sleep_rate(dev: int) -> float:
+    """torch.cuda._sleep cycles per second on this device, measured once (a kernel of 10M cycles)."""
+    if dev not in _SLEEP_RATE:
+        import torch
+
+        with torch.cuda.device(dev):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            a.record()
+            torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
+            b.record()
+            b.synchronize()
+            _SLEEP_RATE[dev] = 10_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
+    return _SLEEP_RATE[dev]
+
+
 def _cuda_layered_prefill(
     eps: list[Any],
     caches: list[Any],
@@ -228,7 +246,7 @@ def _cuda_layered_prefill(
         fill(host, c.layout, blocks, n, tag)
         hosts.append(torch.from_numpy(host).pin_memory())  # so each layer's copy is truly asynchronous
     dev = caches[0].device
-    cycles = int(per_layer_s * torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # clock_rate: kHz
+    cycles = int(per_layer_s * _sleep_rate(dev))
     for c in caches:
         torch.cuda.synchronize(c.device)
     start = time.monotonic()
