@@ -9,9 +9,17 @@
 #  3. VRAM: contiguous tables (--run-blocks 100000) and large requests, references included.
 #  4. scripts/gpu_gather.py: a fragmented request as paged prepared descriptors vs one gather kernel into
 #     a registered staging slot, one WRITE, one scatter kernel (bytes verified).
+#  5. `kvpush demo --stream --device cuda`: the layer-by-layer prefill on VRAM, each layer's compute a
+#     kernel delay (torch.cuda._sleep) followed by the layer's copy and a CUDA event (the range's
+#     kv_written barrier), streamed vs one-piece per request size up to 16k tokens, bytes verified.
+# Without a GPU (no nvidia-smi, or it lists none) it says so and exits 0: nothing here can run.
 # Wheels for an offline machine can be carried in .whl/ (nixl, nixl-cu13, msgspec, pyzmq).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  echo "gpu_check: no GPU on this machine (nvidia-smi missing or lists no GPU): nothing was run"
+  exit 0
+fi
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/kvpush-gpu}
 SITE=${SITE:-/tmp/kvpush-site}
@@ -34,6 +42,10 @@ timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider --import-mode=importlib -
 "$PY" -m kvpush.cli demo --device cuda --requests 16 --run-blocks 100000 --json "$OUT/demo_cuda_contig.json" 2>&1 | tee "$OUT/demo_cuda_contig.log" || status=1
 "$PY" -m kvpush.cli demo --device cuda --requests 16 --min-tokens 16384 --max-tokens 16384 --run-blocks 100000 --json "$OUT/demo_cuda_16k_contig.json" 2>&1 | tee "$OUT/demo_cuda_16k_contig.log" || status=1
 "$PY" "$OLDPWD/scripts/gpu_gather.py" 32 16384 8 5 2>&1 | tee "$OUT/gpu_gather.json" || status=1
+# streamed vs one-piece on VRAM, a per-layer kernel delay (0.15 us per token per layer: ~1.2 ms a layer
+# at 8k tokens, ~2.5 ms at 16k), contiguous and fragmented tables
+"$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 256,1024,4096,8192,16384 --stream-requests 6 --json "$OUT/demo_cuda_stream.json" 2>&1 | tee "$OUT/demo_cuda_stream.log" || status=1
+"$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 1024,8192,16384 --stream-requests 6 --run-blocks 100000 --json "$OUT/demo_cuda_stream_contig.json" 2>&1 | tee "$OUT/demo_cuda_stream_contig.log" || status=1
 for run in 1 64 100000; do
   "$PY" -m kvpush.cli demo --device cpu --requests 16 --run-blocks $run --json "$OUT/demo_cpu_run$run.json" >/dev/null 2>&1 || status=1
 done

@@ -40,6 +40,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpush")
 
 
+# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log, in order:
+# registered, prefill_done (the engine's call; the later of the two is the trigger), picked (the push
+# thread began the StartWrite: the wake-up and the machine are behind it), plan_built (the plan),
+# sealed (its TransferDone sealed), queued (in the WRITE scheduler), made (the transfer was made and its
+# post began; on UCX loopback the copy runs inside the post, so posted - made is the copy and
+# trigger -> made is kvpush's per-WRITE cost without it), posted, complete (the poll that saw DONE; with
+# UCX the WRITE's notification leaves inside that call, so it is also when the notification was sent).
+TIMELINE = (
+    "registered", "prefill_done", "picked", "plan_built", "sealed", "queued", "made", "posted", "complete"
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PrefillAddress:
     """Where a decode engine finds the prefill engine (as a router passes it along)."""
@@ -62,7 +74,7 @@ class SendResult:
     reason: str = ""
     nbytes: int = 0
     done_at: float = 0.0
-    # monotonic marks of this request on the push thread (see kvpush.endpoint.prefill.TIMELINE)
+    # monotonic marks of this request on the push thread (see TIMELINE)
     timeline: dict[str, float] = field(default_factory=dict, compare=False)
     failure: Failure | None = None  # why it failed, as a kind (reason says it in words); None when ok
 

@@ -26,13 +26,14 @@ from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
-from ..protocol.order import done_notice, failure_notice, write_order
+from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
 from .base import (
+    TIMELINE,
     Endpoint,
     EndpointThread,
     SendResult,
@@ -52,13 +53,6 @@ from .writes import Settled, WriteScheduler
 __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"]
 
 log = logging.getLogger("kvpush")
-
-# The per-request timeline (monotonic seconds), in SendResult.timeline and the DEBUG log: registered,
-# prefill_done, plan_built, posted, complete (the poll that saw DONE; with UCX the WRITE's notification
-# leaves inside that call, so it is also when the notification was sent).
-# `made`: the transfer was made and its post began; on UCX loopback the copy runs inside the post, so
-# posted - made is the copy and prefill_done -> made is the per-request cost without it.
-TIMELINE = ("registered", "prefill_done", "plan_built", "made", "posted", "complete")
 
 
 class PushThread(EndpointThread[SendResult]):
@@ -270,6 +264,7 @@ class PushThread(EndpointThread[SendResult]):
         if act.notify:
             marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
         marks.setdefault("registered", now)
+        marks.setdefault("picked", now)
         try:
             peer = self.conns.peers.get(dest)
             if peer is None:
@@ -279,11 +274,12 @@ class PushThread(EndpointThread[SendResult]):
             session = self.conns.session(dest)
             if session is None:
                 raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            order = write_order(act, self.layout, peer.layout, prep.units if prep else None, session)
+            plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
         except (LayoutError, TransportError) as exc:
             return self._settle([Settled(act, False, 0, str(exc), kind=_failure_of(exc))])
-        plan, spec = order.plan, self._spec(order.plan, order.notif, peer.agent, prep)
         marks.setdefault("plan_built", time.monotonic())
+        spec = self._spec(plan, sealed_done(act, self.layout.rank, plan.nbytes, session), peer.agent, prep)
+        marks.setdefault("sealed", time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "kvpush push %s: queued %.1f ms, plan %.1f ms, %d descriptors, %d bytes",
@@ -294,6 +290,7 @@ class PushThread(EndpointThread[SendResult]):
                 plan.nbytes,
             )
         self.scheduler.queue(act, plan, spec, now)
+        marks.setdefault("queued", time.monotonic())
         return []
 
     def _spec(

@@ -140,13 +140,16 @@ class Ledger:
         self.labels = (role, engine_id, str(rank))
         self.counters = Counters()
         self._latency = WAIT_LATENCY if role == "decode" else READY_LATENCY
+        # each counter's labelled child, looked up once: labels() takes a lock and builds a key, and
+        # a WRITE adds to several counters on the push thread's per-WRITE path
+        self._children = {c: m.labels(*self.labels) for c, m in _MIRROR.items()}
 
     def add(self, count: Count, n: int = 1) -> None:
         name = count.value
         setattr(self.counters, name, getattr(self.counters, name) + n)
-        metric = _MIRROR.get(count)
-        if metric is not None:
-            metric.labels(*self.labels).inc(n)
+        child = self._children.get(count)
+        if child is not None:
+            child.inc(n)
 
     def high(self, mark: High, value: int) -> None:
         """Raise a high-water mark (no Prometheus twin)."""

@@ -339,15 +339,15 @@ def check_block_table(
 ) -> tuple[int, ...]:
     """The first blocks that hold num_tokens tokens, or LayoutError naming what is wrong (the one check of a
     block table: the engine calls run it at once, the planner again on what peers send)."""
-    blocks = tuple(int(b) for b in block_ids)
+    blocks = tuple(map(int, block_ids))  # map and min/max: this runs per WRITE on the push thread
     needed = blocks_for(num_tokens, layout.block_size)
     if len(blocks) < needed:
         raise LayoutError(
             f"{who}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
             f"{num_tokens} tokens ({needed} needed)"
         )
-    bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
-    if bad:
+    if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
+        bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
         raise LayoutError(f"{who}: block ids {bad[:5]} outside 0..{layout.num_blocks - 1}")
     head = blocks[:needed]
     if len(set(head)) != needed:

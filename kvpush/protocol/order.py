@@ -35,6 +35,14 @@ def write_order(
     pair's prepared lists when it has them (`units`), else fresh descriptor lists. A streamed range
     (tokens from `act.token_start`, `act.layers`) is planned on the tables from its first block on; it
     carries the notification only when `act.notify`. LayoutError if the blocks do not fit."""
+    plan = write_plan(act, src, dst, units)
+    return WriteOrder(plan, sealed_done(act, src.rank, plan.nbytes, session))
+
+
+def write_plan(
+    act: StartWrite, src: KVLayout, dst: KVLayout, units: PairUnits | None
+) -> TransferPlan | IndexPlan:
+    """write_order's first half, the plan (the push thread times the two halves apart)."""
     t0 = act.token_start
     if t0 % src.block_size or t0 % dst.block_size:
         raise LayoutError(
@@ -51,15 +59,17 @@ def write_order(
         src_blocks, dst_blocks = s_tab[t0 // src.block_size :], d_tab[t0 // dst.block_size :]
     n = act.num_tokens - t0
     layers = None if act.layers is None else range(*act.layers)
-    plan: TransferPlan | IndexPlan
     if units is not None:
-        plan = build_index_plan(units, src_blocks, dst_blocks, n, layers=layers)
-    else:
-        plan = build_plan(src, dst, src_blocks, dst_blocks, n, layers=layers, heads=act.heads)
+        return build_index_plan(units, src_blocks, dst_blocks, n, layers=layers)
+    return build_plan(src, dst, src_blocks, dst_blocks, n, layers=layers, heads=act.heads)
+
+
+def sealed_done(act: StartWrite, prefill_rank: int, nbytes: int, session: Session) -> bytes:
+    """write_order's second half: the sealed TransferDone the WRITE carries when `act.notify` (the
+    request's last range), counting the bytes that landed before it; else no notification (b"")."""
     if not act.notify:
-        return WriteOrder(plan, b"")
-    done = done_notice(act.request_id, act.attempt, src.rank, act.landed + plan.nbytes, session)
-    return WriteOrder(plan, done)
+        return b""
+    return done_notice(act.request_id, act.attempt, prefill_rank, act.landed + nbytes, session)
 
 
 def done_notice(request_id: str, attempt: int, prefill_rank: int, nbytes: int, session: Session) -> bytes:

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LayoutError
-from .groups import TableArg, as_block_ids, check_group_tables
+from .groups import BlockIds, TableArg, as_block_ids, check_group_tables, is_flat
 from .layout import KVLayout, blocks_for, check_compatible
 from .plan import group_tokens
 
@@ -229,6 +229,93 @@ def _piece_index(
     return blk * side.blk_mult + slot * side.slot_mult
 
 
+# Up to this many pieces (units per plane) a request is planned in plain Python over one plane row and
+# replicated over the planes with one numpy call: a short prompt's plan is then a few microseconds, where
+# the array path's two dozen small numpy calls cost ~40 us (the per-WRITE budget is 100 us).
+SMALL_PLAN_PIECES = 64
+
+
+def _pieces_py(
+    layout: KVLayout, side: SideUnits, pair: PairUnits, table: tuple[int, ...], n: int
+) -> list[int]:
+    """_piece_index in plain Python, pieces in the array path's order (token chunk, then head)."""
+    bs, chunk, bm, sm = layout.block_size, pair.chunk, side.blk_mult, side.slot_mult
+    if pair.mode == "token":
+        return [table[t // bs] * bm + (t % bs) * sm for t in range(n)]
+    if pair.mode == "nhd":
+        return [table[t // bs] * bm + (t % bs) // chunk * sm for t in range(0, n, chunk)]
+    per, lo = bs // chunk, layout.kv_heads[0]
+    g0, g1 = pair.heads
+    return [
+        table[t // bs] * bm + ((h - lo) * per + (t % bs) // chunk) * sm
+        for t in range(0, n, chunk)
+        for h in range(g0, g1)
+    ]
+
+
+@dataclass(frozen=True)
+class _Planes:
+    """The planes a plan covers, in ascending source order (as the array path orders them), as int32
+    bases, and the gaps between neighbours' bases (where two planes' pieces may merge)."""
+
+    s_base: I32
+    d_base: I32
+    gaps: dict[tuple[int, int], int]  # (source gap, destination gap) -> how many neighbours have it
+
+
+_PLANES: dict[tuple[int, int, int], tuple[PairUnits, _Planes]] = {}
+
+
+def _planes(pair: PairUnits, layers: range | None) -> _Planes:
+    key = (id(pair), -1, -1) if layers is None else (id(pair), layers.start, layers.stop)
+    got = _PLANES.get(key)
+    if got is not None and got[0] is pair:
+        return got[1]
+    planes = np.arange(pair.plane_layer.shape[0])
+    if layers is not None:
+        planes = planes[(pair.plane_layer >= layers.start) & (pair.plane_layer < layers.stop)]
+    s_base, d_base = pair.s.plane_base[planes], pair.d.plane_base[planes]
+    order = np.argsort(s_base, kind="stable")
+    s_base, d_base = s_base[order], d_base[order]
+    gaps: dict[tuple[int, int], int] = {}
+    for gap in zip(np.diff(s_base).tolist(), np.diff(d_base).tolist(), strict=True):
+        gaps[gap] = gaps.get(gap, 0) + 1
+    made = _Planes(s_base.astype(np.int32), d_base.astype(np.int32), gaps)
+    if len(_PLANES) >= 256:  # pairs come and go with peers: keep the cache bounded
+        _PLANES.clear()
+    _PLANES[key] = (pair, made)
+    return made
+
+
+def _small_plan(
+    pair: PairUnits, s_tab: tuple[int, ...], d_tab: tuple[int, ...], num_tokens: int, layers: range | None
+) -> IndexPlan:
+    """A short request: one plane row's pieces in Python, then every plane by one outer sum. The
+    descriptor count follows from the row: the breaks inside it repeat in every plane, and two
+    neighbouring planes join where the gap between their bases closes the row exactly."""
+    src, dst = pair.src, pair.dst
+    s_p = _pieces_py(src, pair.s, pair, s_tab, num_tokens)
+    d_p = _pieces_py(dst, pair.d, pair, d_tab, num_tokens)
+    if any(b <= a for a, b in itertools.pairwise(s_p)):
+        order = sorted(range(len(s_p)), key=s_p.__getitem__)  # stable, as the array path's argsort
+        s_p, d_p = [s_p[i] for i in order], [d_p[i] for i in order]
+    pl = _planes(pair, layers)
+    n_planes = int(pl.s_base.shape[0])
+    s_idx = np.add.outer(pl.s_base, np.asarray(s_p, dtype=np.int32)).ravel()
+    d_idx = np.add.outer(pl.d_base, np.asarray(d_p, dtype=np.int32)).ravel()
+    if pair.mergeable:
+        pairs = zip(itertools.pairwise(s_p), itertools.pairwise(d_p), strict=True)
+        breaks = sum(1 for (a, b), (c, d) in pairs if b != a + 1 or d != c + 1)
+        joins = pl.gaps.get((s_p[-1] - s_p[0] + 1, d_p[-1] - d_p[0] + 1), 0)
+        n_desc = n_planes * (breaks + 1) - joins
+    else:
+        n_desc = n_planes * len(s_p)
+    g0, g1 = pair.heads
+    exact = num_tokens * (g1 - g0) * src.unit_bytes * n_planes
+    n_src = blocks_for(num_tokens, src.block_size)
+    return IndexPlan(s_idx, d_idx, pair.unit_bytes, n_desc, num_tokens, n_src, exact)
+
+
 def _group_pieces(
     pair: PairUnits, g: int, s_tab: I64, d_tab: I64, tokens: tuple[int, int]
 ) -> tuple[I64, I64]:
@@ -271,13 +358,29 @@ def build_index_plan(
         raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
     s_tabs = check_group_tables(src, as_block_ids(src_blocks), num_tokens, "prefill")
     d_tabs = check_group_tables(dst, as_block_ids(dst_blocks), num_tokens, "decode")
+    if layers is not None and (layers.start < 0 or layers.stop > src.num_layers):
+        raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
+    moved = src.tokens_to_move(num_tokens)
+    g0, g1 = pair.heads
+    if src.num_groups == 1 and not src.window(0) and not pair.s.block_outer:
+        pieces = -(-moved // pair.chunk) * (g1 - g0 if pair.mode == "hnd" else 1)
+        if pieces <= SMALL_PLAN_PIECES:  # a short request: plain Python over one plane row
+            return _small_plan(pair, s_tabs[0], d_tabs[0], moved, layers)
+    return _array_plan(pair, s_tabs, d_tabs, num_tokens, layers)
+
+
+def _array_plan(
+    pair: PairUnits, s_tabs: BlockIds, d_tabs: BlockIds, num_tokens: int, layers: range | None
+) -> IndexPlan:
+    """Any request, in numpy, per KV-cache group (tables already checked; a flat table is group 0):
+    pieces sorted by source offset, replicated over the planes in memory order."""
+    src = pair.src
+    s_tabs, d_tabs = (s_tabs,) if is_flat(s_tabs) else s_tabs, (d_tabs,) if is_flat(d_tabs) else d_tabs
     moved = src.tokens_to_move(num_tokens)
     n_src = blocks_for(moved, src.block_size)
     g0, g1 = pair.heads
     all_planes = np.arange(pair.plane_layer.shape[0])
     if layers is not None:
-        if layers.start < 0 or layers.stop > src.num_layers:
-            raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
         all_planes = all_planes[(pair.plane_layer >= layers.start) & (pair.plane_layer < layers.stop)]
     s_parts: list[I64] = []
     d_parts: list[I64] = []

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from kvpush.apps.demo.timeline import STAGES
+
 pytestmark = pytest.mark.e2e
 
 ENV = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
@@ -50,6 +52,10 @@ def test_demo_both_orders_different_block_sizes(tmp_path):
     free_p, total_p = res["blocks_free_after"]["prefill"]
     free_d, total_d = res["blocks_free_after"]["decode"]
     assert free_p == total_p and free_d == total_d, "a block was not released"
+    # the per-WRITE stages are reported (the ordering of the marks is checked in tests/endpoint)
+    tl = res["timeline_p50_us"]
+    assert list(tl["stages"]) == [name for name, _ in STAGES]
+    assert tl["requests"] == 12 and tl["kvpush_per_write"] > 0 and all(v >= 0 for v in tl["stages"].values())
 
 
 @pytest.mark.parametrize(
@@ -97,3 +103,27 @@ def test_readme_example_runs():
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "equal on both sides: True" in proc.stdout
+
+
+def test_demo_stream_layer_by_layer(tmp_path):
+    """`kvpush demo --stream`: a layer-by-layer prefill per size, every byte verified, no block kept; both
+    modes side by side where the endpoint can stream (kv_ready), the one-piece side otherwise."""
+    res = run_demo(
+        tmp_path, "--stream", "--stream-sizes", "64,1100", "--stream-requests", "2", "--layers", "4",
+        "--layer-compute-us-per-token", "0.5",
+    )  # fmt: skip
+    modes = ["one-piece", "streamed"] if res["streamed_side"] else ["one-piece"]
+    assert res["verified"] == res["requests"] == 2 * 2 * len(modes)
+    assert [(r["tokens"], r["mode"]) for r in res["rows"]] == [(n, m) for n in (64, 1100) for m in modes]
+    for r in res["rows"]:
+        assert r["verified"] == r["requests"] == 2
+        assert 0 < r["prefill_ms"] < r["ttft_equivalent_ms"]
+        assert r["prefill_end_to_ready_ms"] > 0
+    assert res["wire_errors"] == 0
+    # one WRITE per one-piece request (the two warm-ups included); streamed 1,100-token requests (over
+    # stream_min_tokens) move in several ranges, the 64-token ones in one piece
+    one_piece = res["requests"] + len(modes)
+    assert res["writes"] > one_piece if res["streamed_side"] else res["writes"] == one_piece
+    free_p, total_p = res["blocks_free_after"]["prefill"]
+    free_d, total_d = res["blocks_free_after"]["decode"]
+    assert free_p == total_p and free_d == total_d, "a block was not released"

@@ -14,6 +14,7 @@ from kvpush.apps.demo.procs import Geometry, make_cache
 from kvpush.apps.ports import free_port_range as _free_port_range
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.endpoint.prefill import TIMELINE
 from kvpush.transport.base import listed_descriptors
 
 pytestmark = pytest.mark.e2e
@@ -89,9 +90,11 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
             assert rid in got and all(r.ok for r in got[rid].values()), got
             sent = _wait(pe, 1)
             assert all(r.ok for r in sent[rid].values())
-            assert {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(
-                sent[rid][0].timeline
-            )
+            marks = sent[rid][0].timeline
+            assert set(TIMELINE) <= set(marks), marks
+            # the stages in order: the later trigger, then each mark of the WRITE's way out
+            stages = [max(marks["registered"], marks["prefill_done"])] + [marks[k] for k in TIMELINE[2:]]
+            assert stages == sorted(stages), marks
             for c in d_caches:
                 assert count_wrong_bytes(c.to_host(), c.layout, db, n, 7 + len(rid)) == 0
         for ep in pe:  # the prepared path was taken (not the build_plan fallback)

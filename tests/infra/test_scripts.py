@@ -460,3 +460,20 @@ def test_push_and_pull_sweeps_plot(tmp_path: Path) -> None:
     for metric in ("ttft", "tpot"):
         png = tmp_path / "results" / f"{metric}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gpu_check_says_plainly_that_there_is_no_gpu(tmp_path: Path) -> None:
+    """Without a GPU, scripts/gpu_check.sh runs nothing, says why and exits 0 (no pip install, no tests)."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    smi = fake_bin / "nvidia-smi"  # a driver that lists no GPU, as on a host with the tools but no device
+    smi.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    smi.chmod(0o755)
+    for path in (os.environ["PATH"], f"{fake_bin}:{os.environ['PATH']}"):
+        env = {"PATH": path, "HOME": str(tmp_path), "OUT": str(tmp_path / "out")}
+        proc = subprocess.run(
+            ["bash", str(SCRIPT_DIR / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "no GPU on this machine" in proc.stdout and "nothing was run" in proc.stdout
+        assert not (tmp_path / "out").exists()

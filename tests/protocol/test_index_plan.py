@@ -7,7 +7,9 @@ import mmap
 
 import numpy as np
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvpush.protocol import prepared
 from kvpush.protocol.layout import KVLayout, packed_planes
 from kvpush.protocol.plan import build_plan
 from kvpush.protocol.prepared import build_index_plan, pair_units
@@ -153,3 +155,30 @@ def test_pair_units_are_strided_rows():
     pair = pair_units(src.layout, dst.layout)
     assert pair.s.dense and pair.d.dense and pair.s.rows.shape == (1, 5) and pair.d.rows.shape == (1, 5)
     assert pair.s.num_units == 8 * 1000 and pair.d.num_units == 8 * 1000
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(), st.integers(0, 3), st.integers(0, 3))
+def test_small_plan_equals_the_array_path(sc, lo, width):
+    """The plain-Python path for short requests posts exactly what the numpy path posts: the same indices
+    in the same order and the same descriptor count, for every mode, table and layer range."""
+    src = make(
+        sc["layers"], sc["p_bs"], sc["p_total"], sc["heads"], sc["p_rank"], sc["p_tp"], sc["order"], sc["pad"]
+    )
+    dst = make(sc["layers"], sc["d_bs"], sc["d_total"], sc["heads"], sc["d_rank"], sc["d_tp"], sc["order"])
+    heads = senders_for(sc["d_rank"], sc["d_tp"], sc["p_tp"], sc["heads"])[sc["p_rank"]]
+    pair = pair_units(src.layout, dst.layout, heads)
+    lo = min(lo, sc["layers"])
+    layers = None if width == 0 else range(lo, min(lo + width, sc["layers"]))
+    s_tab = tuple(sc["p_tab"][: -(-sc["n"] // sc["p_bs"])])
+    d_tab = tuple(sc["d_tab"][: -(-sc["n"] // sc["d_bs"])])
+    small = prepared._small_plan(pair, s_tab, d_tab, sc["n"], layers)
+    ref = prepared._array_plan(pair, s_tab, d_tab, sc["n"], layers)
+    np.testing.assert_array_equal(small.src_idx, ref.src_idx)
+    np.testing.assert_array_equal(small.dst_idx, ref.dst_idx)
+    assert small.src_idx.dtype == ref.src_idx.dtype == np.int32
+    assert (small.num_descriptors, small.nbytes, small.num_blocks) == (
+        ref.num_descriptors,
+        ref.nbytes,
+        ref.num_blocks,
+    )

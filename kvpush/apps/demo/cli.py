@@ -30,7 +30,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvpush.apps.cliutil import alias, non_negative_int, port, positive_int
+from kvpush.apps.demo import stream
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
+from kvpush.apps.demo.timeline import timeline_us
 from kvpush.apps.ports import free_port_range
 from kvpush.protocol.layout import blocks_for
 
@@ -92,6 +94,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output-json", dest="json_path", metavar="PATH", help="write the result summary here")
     alias(p, "--json", "json_path", metavar="PATH")
+    stream.configure(p)
 
 
 @dataclass
@@ -142,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.stream:
+        return stream.run_stream(args, _prefill_extra(args))
     if args.min_tokens < 1 or args.max_tokens < args.min_tokens:
         console.print("[red]--min-tokens must be >= 1 and <= --max-tokens")
         return 2
@@ -320,43 +325,6 @@ def _p99(values: list[float]) -> float:
     return values[0] if values else 0.0
 
 
-def _p50(values: list[float]) -> float:
-    return round(statistics.median(values), 1) if values else 0.0
-
-
-def _timeline_us(reqs: list[_Req]) -> dict[str, Any]:
-    """Per-request fixed cost, p50 in microseconds: the trigger is the later of registration and
-    prefill-done (what lets the WRITE start); decode_ready is the decode endpoint's result time."""
-    spans: dict[str, list[float]] = {
-        "trigger_to_plan_built": [],
-        "trigger_to_posted": [],
-        "prefill_done_to_posted": [],
-        "posted_to_complete": [],
-        "complete_to_decode_ready": [],
-        # NIXL only: `made` is after make_prepped_xfer, before the post; on UCX loopback the copy runs
-        # inside the post, so trigger -> made is kvpush's per-request cost (plus NIXL's make) without it
-        "trigger_to_made": [],
-        "made_to_posted": [],
-    }
-    for r in reqs:
-        t = r.timeline or {}
-        if not r.ok or not {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(t):
-            continue
-        trigger = max(t["registered"], t["prefill_done"])
-        spans["trigger_to_plan_built"].append(1e6 * (t["plan_built"] - trigger))
-        spans["trigger_to_posted"].append(1e6 * (t["posted"] - trigger))
-        if t["prefill_done"] >= t["registered"]:
-            spans["prefill_done_to_posted"].append(1e6 * (t["posted"] - t["prefill_done"]))
-        spans["posted_to_complete"].append(1e6 * (t["complete"] - t["posted"]))
-        spans["complete_to_decode_ready"].append(1e6 * (r.ready_at - t["complete"]))
-        if "made" in t:
-            spans["trigger_to_made"].append(1e6 * (t["made"] - trigger))
-            spans["made_to_posted"].append(1e6 * (t["posted"] - t["made"]))
-    out: dict[str, Any] = {k: _p50(v) for k, v in spans.items()}
-    out["requests"] = len(spans["trigger_to_posted"])
-    return out
-
-
 def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: Any, console: Console) -> int:
     verified = sum(1 for r in reqs if r.ok and r.wrong == 0)
     failed = sum(1 for r in reqs if not r.ok)
@@ -400,8 +368,8 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
             "p50": round(statistics.median(lat), 3) if lat else 0.0,
             "p99": round(_p99(lat), 3),
         },
-        "timeline_p50_us": _timeline_us(reqs),
-        "timeline_p50_us_small": _timeline_us(small),
+        "timeline_p50_us": timeline_us((r.timeline, r.ready_at if r.ok else 0.0) for r in reqs),
+        "timeline_p50_us_small": timeline_us((r.timeline, r.ready_at if r.ok else 0.0) for r in small),
         "event_orders": {
             "registration_first": pst["registration_first"],
             "prefill_first": pst["prefill_first"],

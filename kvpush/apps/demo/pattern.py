@@ -50,11 +50,14 @@ def _token_index(
     return table[t // layout.block_size], t % layout.block_size
 
 
-def fill(buffer: U8, layout: KVLayout, blocks: list[int], n: int, request_tag: int) -> None:
-    """Write the pattern for the first n tokens of a request into its blocks (this rank's heads)."""
+def fill(
+    buffer: U8, layout: KVLayout, blocks: list[int], n: int, request_tag: int, layers: range | None = None
+) -> None:
+    """Write the pattern for the first n tokens of a request into its blocks (this rank's heads); only
+    `layers` when given (a layer-by-layer prefill writes one layer at a time)."""
     blk, pos = _token_index(layout, blocks, n)
     lo, hi = layout.kv_heads
-    for layer in range(layout.num_layers):
+    for layer in range(layout.num_layers) if layers is None else layers:
         for kv in range(layout.kv_per_layer):
             view = _plane_view(buffer, layout, layer, kv)
             for g in range(lo, hi):
@@ -63,6 +66,13 @@ def fill(buffer: U8, layout: KVLayout, blocks: list[int], n: int, request_tag: i
                     view[blk, pos, g - lo] = rows
                 else:
                     view[blk, g - lo, pos] = rows
+
+
+def copy_layer(dst: U8, src: U8, layout: KVLayout, blocks: list[int], layer: int) -> None:
+    """Copy one layer's planes of these blocks from src to dst (same layout): a layer "computed"."""
+    idx = np.asarray(blocks, dtype=np.int64)
+    for kv in range(layout.kv_per_layer):
+        _plane_view(dst, layout, layer, kv)[idx] = _plane_view(src, layout, layer, kv)[idx]
 
 
 def count_wrong_bytes(buffer: U8, layout: KVLayout, blocks: list[int], n: int, request_tag: int) -> int:

@@ -15,9 +15,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvpush.apps.blocks import BlockPool, shuffled_runs
-from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
+from kvpush.apps.demo.pattern import copy_layer, count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
@@ -161,6 +162,118 @@ def _reference(
     return ("ref_done", at, done, plan.nbytes, src.shape[0])
 
 
+_STAGING: dict[
+    int, npt.NDArray[np.uint8]
+] = {}  # cache id -> a host buffer of its layout where patterns are made
+
+
+def layered_prefill(
+    eps: list[Any],
+    caches: list[Any],
+    rid: str,
+    blocks: list[int],
+    n: int,
+    tag: int,
+    per_layer_s: float,
+    streamed: bool,
+) -> tuple[float, float]:
+    """A synthetic prefill, layer by layer: each layer's compute (a sleep: on a GPU the host is free while
+    the kernels run), then its KV written (the layer's blocks copied in from a pattern made beforehand),
+    then, streamed, reported ready with kv_ready;
+    prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written.
+    On CUDA caches the compute is a kernel delay on the device (see _cuda_layered_prefill)."""
+    if getattr(caches[0], "device_type", "") == "cuda":
+        return _cuda_layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+    hosts = [c.to_host() for c in caches]
+    for c, h in zip(caches, hosts, strict=True):
+        if id(c) not in _STAGING:
+            _STAGING[id(c)] = np.zeros_like(h)
+    staged = [_STAGING[id(c)] for c in caches]
+    for c, stage in zip(caches, staged, strict=True):  # the pattern is made before the prefill starts
+        fill(stage, c.layout, blocks, n, tag)  # (not timed) ...
+    start = time.monotonic()
+    for layer in range(caches[0].layout.num_layers):
+        time.sleep(per_layer_s)
+        for c, host, stage in zip(caches, hosts, staged, strict=True):  # ... and lands layer by layer
+            copy_layer(host, stage, c.layout, blocks, layer)
+            c.from_host(host)
+        if streamed:
+            for ep in eps:
+                ep.kv_ready(rid, blocks, n, layers=(layer, layer + 1))
+    end = time.monotonic()
+    for ep in eps:
+        ep.prefill_done(rid, blocks, n)
+    return start, end
+
+
+_SLEEP_RATE: dict[int, float] = {}
+
+
+def _sleep_rate(dev: int) -> float:
+    """torch.cuda._sleep cycles per second on this device, measured once (a kernel of 10M cycles)."""
+    if dev not in _SLEEP_RATE:
+        import torch
+
+        with torch.cuda.device(dev):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            a.record()
+            torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
+            b.record()
+            b.synchronize()
+            _SLEEP_RATE[dev] = 10_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
+    return _SLEEP_RATE[dev]
+
+
+def _cuda_layered_prefill(
+    eps: list[Any],
+    caches: list[Any],
+    rid: str,
+    blocks: list[int],
+    n: int,
+    tag: int,
+    per_layer_s: float,
+    streamed: bool,
+) -> tuple[float, float]:
+    """The GPU form: the pattern is made on the host first (not timed); then per layer, on the device's
+    stream, a kernel that spins per_layer_s (torch.cuda._sleep), the layer's planes copied in, and a CUDA
+    event whose synchronize is the range's kv_written barrier: the engine thread only enqueues, the push
+    thread waits on the event. `end` is when the last layer's event completed."""
+    import torch
+
+    hosts = []
+    for c in caches:
+        host = c.to_host()
+        fill(host, c.layout, blocks, n, tag)
+        hosts.append(torch.from_numpy(host).pin_memory())  # so each layer's copy is truly asynchronous
+    dev = caches[0].device
+    cycles = int(per_layer_s * _sleep_rate(dev))
+    for c in caches:
+        torch.cuda.synchronize(c.device)
+    start = time.monotonic()
+    events: list[Any] = [None] * len(caches)
+    for layer in range(caches[0].layout.num_layers):
+        for i, (c, host) in enumerate(zip(caches, hosts, strict=True)):
+            with torch.cuda.device(c.device):
+                if cycles:
+                    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
+                size = (c.layout.num_blocks - 1) * c.layout.block_stride + c.layout.block_bytes
+                for kv in range(c.layout.kv_per_layer):
+                    p = c.layout.plane(layer, kv)
+                    c.flat[p.region][p.offset : p.offset + size].copy_(
+                        host[p.offset : p.offset + size], non_blocking=True
+                    )
+                events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                events[i].record()
+        if streamed:
+            for ep, ev in zip(eps, events, strict=True):
+                ep.kv_ready(rid, blocks, n, layers=(layer, layer + 1), kv_written=ev.synchronize)
+    for ep, ev in zip(eps, events, strict=True):
+        ep.prefill_done(rid, blocks, n, kv_written=ev.synchronize)
+    for ev in events:
+        ev.synchronize()
+    return start, time.monotonic()
+
+
 def _logging() -> None:
     level = os.environ.get("KVPUSH_LOG")
     if level:
@@ -201,6 +314,14 @@ def prefill_main(
                         c.from_host(host)
                     live[rid] = (blocks, n, set(), [], {})
                     conn.send(("prepared", rid, blocks))
+                elif kind == "caps":  # what the streamed demo may call on this build's endpoints
+                    conn.send(("caps", all(hasattr(ep, "kv_ready") for ep in eps)))
+                elif kind == "prefill_layers":  # a layer-by-layer prefill (kvpush demo --stream)
+                    _, rid, n, tag, per_layer_s, streamed = cmd
+                    blocks = alloc.allocate(blocks_for(n, geo.block_size))
+                    live[rid] = (blocks, n, set(), [], {})
+                    start, end = layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+                    conn.send(("prefilled_layers", rid, start, end, blocks))
                 elif kind == "prefill_done":
                     rid = cmd[1]
                     blocks, n = live[rid][0], live[rid][1]

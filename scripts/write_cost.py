@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""kvpush's own work per WRITE, before and after, side by side in one run.
+
+Exports kvpush (and backends/) at a base commit into a temporary directory, then alternates the same
+`kvpush demo` command (small requests, one at a time, no references) between that tree and this checkout,
+`--rounds` times each, so both see the same box and the same load. Prints, per tree, the median over its
+rounds of each run's p50 (microseconds): the stages of the push thread's timeline (wake, plan, seal,
+queue, make; kvpush.endpoint.prefill.TIMELINE) and kvpush_per_write = trigger -> made (no copy), and
+writes everything to --json.
+
+    python scripts/write_cost.py --base 4d7336b --rounds 3 --json out/write_cost.json
+
+The base must have the timeline marks (picked, sealed, queued: commit 4d7336b and later); the demo that
+runs is the tree's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = [
+    "--num-prompts",
+    "64",
+    "--min-tokens",
+    "16",
+    "--max-tokens",
+    "256",
+    "--window",
+    "1",
+    "--no-references",
+]
+KEYS = ("kvpush_per_write", "wake", "plan", "seal", "queue", "make", "copy", "trigger_to_posted")
+
+
+def export(commit: str, into: Path) -> Path:
+    """kvpush and backends/ at `commit`, laid out as the installed package (backends -> kvpush.backends)."""
+    into.mkdir(parents=True)
+    tar = into / "tree.tar"
+    with open(tar, "wb") as f:
+        subprocess.run(
+            ["git", "-C", str(ROOT), "archive", commit, "kvpush", "backends"], stdout=f, check=True
+        )
+    with tarfile.open(tar) as t:
+        t.extractall(into, filter="data")
+    shutil.move(str(into / "backends"), str(into / "kvpush" / "backends"))
+    return into
+
+
+def run_demo(pythonpath: str | None, out: Path, extra: list[str]) -> dict[str, Any]:
+    env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    cmd = [sys.executable, "-m", "kvpush.cli", "demo", *DEMO, *extra, "--json", str(out)]
+    proc = subprocess.run(
+        cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"demo failed ({pythonpath or 'this checkout'}):\n{proc.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(out.read_text())
+    if res["verified"] != res["requests"]:
+        raise SystemExit(f"demo verified {res['verified']} of {res['requests']} requests")
+    return res
+
+
+def row(res: dict[str, Any]) -> dict[str, float]:
+    tl = res["timeline_p50_us_small"]
+    got = {k: float(v) for k, v in tl.get("stages", {}).items()}
+    got["kvpush_per_write"] = float(tl.get("kvpush_per_write", tl["trigger_to_made"]))
+    got["trigger_to_posted"] = float(tl["trigger_to_posted"])
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="4d7336b", help="the 'before' commit (default: timeline marks only)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", dest="json_path", default="")
+    ap.add_argument("demo_args", nargs="*", help="extra `kvpush demo` flags (after --)")
+    args = ap.parse_args()
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="kvpush-write-cost-") as tmp:
+        base = export(args.base, Path(tmp) / "base")
+        for i in range(args.rounds):
+            for name, path in (("before", str(base)), ("after", None)):
+                res = run_demo(path, Path(tmp) / f"{name}-{i}.json", args.demo_args)
+                runs[name].append(row(res))
+                print(f"round {i + 1} {name}: {runs[name][-1]}", file=sys.stderr)
+    table = {
+        name: {
+            k: round(statistics.median(r[k] for r in rs if k in r), 1)
+            for k in KEYS
+            if any(k in r for r in rs)
+        }
+        for name, rs in runs.items()
+    }
+    print(f"{'p50 us (median of ' + str(args.rounds) + ' runs)':<34}{'before':>10}{'after':>10}")
+    for k in KEYS:
+        print(
+            f"{k:<34}{table['before'].get(k, float('nan')):>10.1f}{table['after'].get(k, float('nan')):>10.1f}"
+        )
+    if args.json_path:
+        Path(args.json_path).write_text(
+            json.dumps(
+                {"base": args.base, "demo": DEMO + args.demo_args, "runs": runs, "p50": table}, indent=2
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
