@@ -22,6 +22,9 @@
 #   KV_HOST: the IP this engine's KV side channel listens on (default: this node's private IP)
 #   PREFILL_ENGINE_ID: engine_id of the prefill engine (default: <cluster>-prefill-0); the proxy tells
 #     the decode engine this id, so set it the same way on the prefill and the proxy nodes
+#   DECODE_ENGINE_ID: engine_id of the decode engine (default: <cluster>-decode-0); CONNECTOR=kvpush: the
+#     proxy names it to the prefill, which then pushes each request only to that decode (set it the same
+#     way on the decode and the proxy nodes; the proxy's pairing check refuses a mismatch)
 #   HMAC_KEY_FILE (/etc/kvpush/hmac.key): CONNECTOR=kvpush: the shared key (base64, mode 600), the same
 #     file on every node (prefill, decode and proxy); create it once with
 #     `(umask 077; openssl rand -base64 32 > /etc/kvpush/hmac.key)` and copy it to the other nodes. It is
@@ -201,7 +204,8 @@ case $ROLE in
       --prefill-tp-size "$PREFILL_TP_SIZE"
       --prefill-pp-size "$PREFILL_PP_SIZE")
     if [ "$CONNECTOR" = kvpush ]; then
-      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT" --hmac-key-file "$HMAC_KEY_FILE")
+      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT" --hmac-key-file "$HMAC_KEY_FILE"
+        --decode-engine-id "$DECODE_ENGINE_ID")
     fi
     more_args=$PROXY_ARGS
     pid_name=proxy

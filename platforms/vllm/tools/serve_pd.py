@@ -347,6 +347,7 @@ def start_pd(
             ]
             if pairing_port:
                 argv += ["--decode-pairing", f"http://127.0.0.1:{pairing_port}"]
+                argv += ["--decode-engine-id", decode.engine_id]
             proxy_env = {**os.environ, "KVPUSH_PROXY_TIMINGS_TOKEN": timings_token}
             procs.append(Started(f"{connector}-proxy", argv, proxy_env, log_dir / f"{connector}-proxy.log"))
             url = f"http://127.0.0.1:{x_port}"
