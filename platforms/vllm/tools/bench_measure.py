@@ -213,13 +213,15 @@ def calibrate_prefill(
     tries: int = 3,
     confine: bool = True,
     kv_cache_gib: float = 4.0,
+    engine_args: list[str] | None = None,
 ) -> dict[int, float]:
     """Median time for one engine alone (no connector, the prefill engine's core) to prefill each prompt
     length: the unit that --loads is measured in."""
     from .serve_pd import start_single
 
     out: dict[int, float] = {}
-    dep = start_single(model, log_dir, confine=confine, env={"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"})
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}"}
+    dep = start_single(model, log_dir, confine=confine, env=env, engine_args=engine_args)
     try:
         client.stream_complete(dep.url, model, "warm up", 2, timeout=120)
         for n in in_lens:

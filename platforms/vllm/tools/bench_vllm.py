@@ -107,6 +107,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=4.0,
         help="VLLM_CPU_KVCACHE_SPACE for every engine (push reserves decode blocks for the whole prefill)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="vLLM's token budget per engine step, for every engine: a prompt longer than it is prefilled "
+        "in several chunks (chunked prefill); default: vLLM's own",
+    )
     parser.add_argument("--request-timeout", type=float, default=180.0, help="per-request client timeout (s)")
     parser.add_argument("--warmup-tries", type=int, default=3)
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figures from --result-dir")
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         if c not in CONNECTORS:
             raise SystemExit(f"unknown connector {c!r}; choose from {', '.join(CONNECTORS)}")
     in_lens = [int(x) for x in args.input_lens.split(",")]
+    engine_args = _engine_args(args)
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     calibration: dict[int, float] = {}
@@ -144,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             confine=not args.no_confine,
             kv_cache_gib=args.kv_cache_gib,
+            engine_args=engine_args,
         )
         points = points_from_loads(calibration, loads)
         print("prefill alone: " + ", ".join(f"{n} tokens {1000 * t:.0f} ms" for n, t in calibration.items()))
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                 decode_env=env,
                 confine_engines=not args.no_confine,
                 router=args.router,
+                engine_args=engine_args,
             )
             try:
                 warm = _warm_up(dep.url, model, args.warmup_tries, args.warmup_timeout)
@@ -261,3 +271,12 @@ def run(args: argparse.Namespace) -> int:
     summary["calibration_prefill_s"] = {str(n): t for n, t in calibration.items()}
     _plot(out_dir, conns, points, samples)
     return 0
+
+
+def _engine_args(args: argparse.Namespace) -> list[str]:
+    """vLLM flags every engine of the run gets (the single-engine calibration too)."""
+    if args.max_num_batched_tokens is None:
+        return []
+    # vLLM refuses a step budget below the longest sequence unless chunked prefill is on (the default
+    # on V1; said explicitly so a version that differs fails loudly rather than serving unchunked)
+    return ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-chunked-prefill"]

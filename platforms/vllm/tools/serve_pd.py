@@ -264,6 +264,7 @@ def start_pd(
     pair_at_startup: bool = True,
     proxy_must_be_healthy: bool = True,
     router: str = "kvpush",
+    engine_args: list[str] | None = None,
 ) -> Deployment:
     """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
     tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
@@ -275,7 +276,8 @@ def start_pd(
     see what the proxy's pairing check does with a mismatch), and a pairing_port the proxy checks the
     pairing on (at its start and on /health). decode_block_size: a different block size for the decode.
     router: "kvpush" (the proxy) or "vllm-router" (vLLM's router, started once the engines are healthy;
-    it has no pairing check, so the decode's start-up handshake is the only one)."""
+    it has no pairing check, so the decode's start-up handshake is the only one). engine_args: more vLLM
+    flags for both engines (e.g. --max-num-batched-tokens, to split prompts into chunks)."""
     if connector not in CONNECTORS:
         raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
     if router not in ROUTERS:
@@ -303,6 +305,7 @@ def start_pd(
         max_model_len,
         block_size,
         dict(prefill_extra or {}),
+        list(engine_args or ()),
         env=dict(prefill_env or {}),
     )
     decode = EngineSpec(
@@ -316,6 +319,7 @@ def start_pd(
         max_model_len,
         decode_block_size or block_size,
         decode_extra,
+        list(engine_args or ()),
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
@@ -382,9 +386,20 @@ def start_single(
     health_timeout_s: float = 300.0,
     confine: bool = False,
     env: dict[str, str] | None = None,
+    engine_args: list[str] | None = None,
 ) -> Deployment:
     spec = EngineSpec(
-        "single", model, free_port(), cores, None, "", 0, max_model_len, block_size, env=dict(env or {})
+        "single",
+        model,
+        free_port(),
+        cores,
+        None,
+        "",
+        0,
+        max_model_len,
+        block_size,
+        extra_args=list(engine_args or ()),
+        env=dict(env or {}),
     )
     argv, proc_env = spec.command()
     proc = Started("single", argv, proc_env, log_dir / "single.log", parse_cores(cores) if confine else None)
