@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpush.apps.cliutil import alias, positive_int
+from kvpush.errors import KVPushError
 
 from .bench_measure import (
     _nixl_tune_env,
@@ -32,15 +33,27 @@ from .bench_measure import (
     run_point,
 )
 from .bench_report import _extras_md, _ok_ttfts, _plot, _summarize, _tpots, bootstrap_ratio, plot_only
-from .serve_pd import CONNECTORS, start_pd
+from .serve_pd import start_pd
 from .vllm_router import ROUTERS
 
 # The instruments and the arithmetic live in bench_measure and bench_report; these stay reachable here,
 # where the head-to-head's callers and tests have always found them.
+# What one run compares, by name (the --connectors list; result files and tables use these names): vLLM's
+# two NIXL connectors, and kvpush moving a request in one piece after its prefill (its default) or
+# streamed, each chunked-prefill step's complete blocks pushed as the step ends (extra config stream).
+ARMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kvpush": ("kvpush", {}),
+    "kvpush-streamed": ("kvpush", {"stream": True}),
+    "nixl-push": ("nixl-push", {}),
+    "nixl-pull": ("nixl-pull", {}),
+}
+
 __all__ = [
+    "ARMS",
     "_summarize",
     "_thread_ns",
     "bootstrap_ratio",
+    "check_arm",
     "configure",
     "kvpush_threads",
     "points_from_loads",
@@ -50,7 +63,12 @@ __all__ = [
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--connectors", default="kvpush,nixl-push,nixl-pull")
+    parser.add_argument(
+        "--connectors",
+        default="kvpush,nixl-push,nixl-pull",
+        help=f"comma-separated set-ups, run side by side: {', '.join(ARMS)} (kvpush-streamed: kvpush's "
+        "push per prefill chunk; give the prefill several chunks with --max-num-batched-tokens)",
+    )
     parser.add_argument(
         "--request-rate", dest="qps", metavar="RATES", default="1,4", help="comma-separated request rates"
     )
@@ -111,8 +129,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=positive_int,
         default=None,
-        help="vLLM's token budget per engine step, for every engine: a prompt longer than it is prefilled "
-        "in several chunks (chunked prefill); default: vLLM's own",
+        help="vLLM's token budget per engine step, for the prefill engine (and the single engine of "
+        "--loads' calibration): a prompt longer than it is prefilled in several chunks (chunked prefill); "
+        "default: vLLM's own",
     )
     parser.add_argument("--request-timeout", type=float, default=180.0, help="per-request client timeout (s)")
     parser.add_argument("--warmup-tries", type=int, default=3)
@@ -136,8 +155,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or str(build(args.variant))
     conns = [c.strip() for c in args.connectors.split(",") if c.strip()]
     for c in conns:
-        if c not in CONNECTORS:
-            raise SystemExit(f"unknown connector {c!r}; choose from {', '.join(CONNECTORS)}")
+        check_arm(c)
     in_lens = [int(x) for x in args.input_lens.split(",")]
     engine_args = _engine_args(args)
     out_dir = Path(args.result_dir)
@@ -171,22 +189,24 @@ def run(args: argparse.Namespace) -> int:
     for rep in range(args.reps):
         order = conns if rep % 2 == 0 else list(reversed(conns))
         for conn in order:
+            connector, arm_extra = ARMS[conn]
+            ours = connector == "kvpush"
             stats_dir = out_dir / f"stats-{conn}-{rep}"
-            extra = {"stats_dir": str(stats_dir)} if conn == "kvpush" else {}
+            extra = {"stats_dir": str(stats_dir), **arm_extra} if ours else dict(arm_extra)
             env = (
                 {}
-                if conn == "kvpush"
+                if ours
                 else _nixl_tune_env(
                     args.nixl_prog_delay_us if conn in tune_conns else 0, unpin=not args.keep_kv_core_pin
                 )
             )
-            if conn != "kvpush":
+            if not ours:
                 env["VLLM_LOGGING_LEVEL"] = "INFO"  # its periodic "KV Transfer metrics" lines
             print(f"[rep {rep}] starting {conn}", flush=True)
             log_dir = out_dir / "logs" / f"{conn}-{rep}"
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
             dep = start_pd(
-                conn,
+                connector,
                 model,
                 log_dir,
                 prefill_extra=extra,
@@ -195,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                 decode_env=env,
                 confine_engines=not args.no_confine,
                 router=args.router,
-                engine_args=engine_args,
+                prefill_args=engine_args,
             )
             try:
                 warm = _warm_up(dep.url, model, args.warmup_tries, args.warmup_timeout)
@@ -205,11 +225,11 @@ def run(args: argparse.Namespace) -> int:
                     print(f"  {conn} never answered a warm-up request; skipping its points", flush=True)
                     continue
                 tree, per_thread = idle_cpu(
-                    dep, args.idle_seconds, kvpush_threads(stats_dir) if conn == "kvpush" else None
+                    dep, args.idle_seconds, kvpush_threads(stats_dir) if ours else None
                 )
                 idle.setdefault(conn, []).append(tree)
                 for k, v in per_thread.items():
-                    idle_threads.setdefault(k, []).append(v)
+                    idle_threads.setdefault(k if conn == "kvpush" else f"{conn}/{k}", []).append(v)
                 for n, q in points:
                     name = f"{conn}_qps{q:g}_in{n}_out{args.output_len}_iter{rep}.json"
                     res = run_point(
@@ -240,14 +260,14 @@ def run(args: argparse.Namespace) -> int:
                         f"{res['median_tpot_ms']:.1f} ms, failed {res['failed']}",
                         flush=True,
                     )
-                if conn == "kvpush":
+                if ours:
                     for f in stats_dir.glob("*decode*.json"):
                         ready.setdefault(conn, []).extend(json.loads(f.read_text()).get("ready_s", []))
                     for f in stats_dir.glob("*prefill*.json"):
                         push.setdefault(conn, []).extend(json.loads(f.read_text()).get("push_s", []))
             finally:
                 dep.stop()
-            if conn != "kvpush":
+            if not ours:
                 xfer.setdefault(conn, []).extend(_vllm_xfer_metrics(log_dir))
     summary = _summarize(conns, points, samples, idle, ready, calibration)
     summary["kvpush_idle_thread_cores"] = idle_threads
@@ -263,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
     summary["table_md"] += summary["extra_md"]
     summary["warmups"] = warmups
     summary["kvpush_push_s"] = push.get("kvpush", [])
+    summary["push_s"] = push
     summary["vllm_xfer_ms"] = {c: v for c, v in xfer.items()}
     summary["args"] = vars(args)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -274,9 +295,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _engine_args(args: argparse.Namespace) -> list[str]:
-    """vLLM flags every engine of the run gets (the single-engine calibration too)."""
+    """vLLM flags for the prefill engine (and the single engine that calibrates --loads)."""
     if args.max_num_batched_tokens is None:
         return []
     # vLLM refuses a step budget below the longest sequence unless chunked prefill is on (the default
     # on V1; said explicitly so a version that differs fails loudly rather than serving unchunked)
     return ["--max-num-batched-tokens", str(args.max_num_batched_tokens), "--enable-chunked-prefill"]
+
+
+def check_arm(name: str) -> None:
+    """SystemExit naming the problem, before any engine starts, if `name` is no arm or its kvpush extra
+    config is one this connector refuses (e.g. streaming on a kvpush without vLLM progressive push)."""
+    if name not in ARMS:
+        raise SystemExit(f"unknown connector {name!r}; choose from {', '.join(ARMS)}")
+    connector, extra = ARMS[name]
+    if connector != "kvpush":
+        return
+    from ..params import ConnectorSettings
+
+    try:
+        ConnectorSettings.from_extra("prefill", name, extra, block_size=16, tp_size=1, pp_size=1)
+    except KVPushError as exc:
+        raise SystemExit(f"{name}: this kvpush refuses its extra config {extra}: {exc}") from None

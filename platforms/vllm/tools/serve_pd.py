@@ -257,6 +257,7 @@ def start_pd(
     decode_extra: dict[str, Any] | None = None,
     decode_env: dict[str, str] | None = None,
     prefill_env: dict[str, str] | None = None,
+    prefill_args: list[str] | None = None,
     health_timeout_s: float = 300.0,
     start_proxy: bool = True,
     confine_engines: bool = False,
@@ -264,7 +265,6 @@ def start_pd(
     pair_at_startup: bool = True,
     proxy_must_be_healthy: bool = True,
     router: str = "kvpush",
-    engine_args: list[str] | None = None,
 ) -> Deployment:
     """Start prefill, decode and (by default) the proxy. confine_engines: run each engine's whole process
     tree (API server, EngineCore, workers) on its own cores, as if prefill and decode were two hosts;
@@ -276,8 +276,7 @@ def start_pd(
     see what the proxy's pairing check does with a mismatch), and a pairing_port the proxy checks the
     pairing on (at its start and on /health). decode_block_size: a different block size for the decode.
     router: "kvpush" (the proxy) or "vllm-router" (vLLM's router, started once the engines are healthy;
-    it has no pairing check, so the decode's start-up handshake is the only one). engine_args: more vLLM
-    flags for both engines (e.g. --max-num-batched-tokens, to split prompts into chunks)."""
+    it has no pairing check, so the decode's start-up handshake is the only one)."""
     if connector not in CONNECTORS:
         raise ValueError(f"unknown connector {connector!r}; choose one of {', '.join(CONNECTORS)}")
     if router not in ROUTERS:
@@ -305,7 +304,7 @@ def start_pd(
         max_model_len,
         block_size,
         dict(prefill_extra or {}),
-        list(engine_args or ()),
+        list(prefill_args or ()),  # e.g. --max-num-batched-tokens: chunked prefill in several steps
         env=dict(prefill_env or {}),
     )
     decode = EngineSpec(
@@ -319,7 +318,6 @@ def start_pd(
         max_model_len,
         decode_block_size or block_size,
         decode_extra,
-        list(engine_args or ()),
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
