@@ -18,12 +18,13 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import zmq
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
+from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
 from ..protocol.order import done_notice, failure_notice, write_order
 from ..protocol.plan import TransferPlan, build_plan
@@ -39,6 +40,7 @@ from .base import (
     TransportSource,
     checked_blocks,
     stream_policy,
+    stream_table,
 )
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
@@ -91,7 +93,7 @@ class PushThread(EndpointThread[SendResult]):
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
         self.transport, self.hello = self.setup_transport()
-        port = self.config.side_channel.port + self.layout.tp_rank if self.config.side_channel.port else 0
+        port = self.config.side_channel.port + self.layout.rank if self.config.side_channel.port else 0
         try:
             listener = self.control.listen(
                 self.config.side_channel.host, port, self.config.limits.max_message_bytes
@@ -105,7 +107,8 @@ class PushThread(EndpointThread[SendResult]):
             self.config, self.layout, self.mem_type, self.codec, self.hello, self.transport, listener,
             self.ledger, self.state,
         )  # fmt: skip
-        build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
+        warm = [[0]] * self.layout.num_groups  # warm numpy's paths off the first request
+        build_plan(self.layout, self.layout, warm, warm, 1)
         self.scheduler = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
 
     def teardown(self) -> None:
@@ -214,7 +217,7 @@ class PushThread(EndpointThread[SendResult]):
             for a in self.scheduler.take_nudges():  # tell the decodes after the first poll: Posted
                 if not a.notify:
                     continue  # a range before the last: the decode has nothing to wait for yet
-                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
+                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.rank)
                 if self.conns.send_to((a.decode_engine_id, a.decode_rank), posted):
                     self.ledger.add(Count.NUDGES)
             if not pending:
@@ -325,7 +328,7 @@ class PushThread(EndpointThread[SendResult]):
         try:
             if peer is None or session is None:
                 raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            notice = done_notice(act.request_id, act.attempt, self.layout.tp_rank, act.nbytes, session)
+            notice = done_notice(act.request_id, act.attempt, self.layout.rank, act.nbytes, session)
             self.transport.send_notif(peer.agent, notice)
         except TransportError as exc:  # the decode's fence or liveness check ends its wait
             log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
@@ -350,7 +353,7 @@ class PushThread(EndpointThread[SendResult]):
                 raise TransportError(
                     f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}"
                 )
-            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.tp_rank, session))
+            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
         except TransportError as exc:
             log.warning("kvpush prefill: %s", exc)
 
@@ -384,7 +387,7 @@ class PushThread(EndpointThread[SendResult]):
     def cmd_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         at: float,
         kv_written: Callable[[], None] | None,
@@ -443,17 +446,18 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.side_channel.advertised, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.advertised, self._push.bound_port - self.layout.rank
 
     def prefill_done(
         self,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: TableArg,
         num_tokens: int,
         kv_written: Callable[[], None] | None = None,
         decode_engine_id: str = "",
     ) -> None:
-        """The request's prompt KV is computed into block_ids; push it once decode has registered.
+        """The request's prompt KV is computed into block_ids (one table, or one per KV-cache group of
+        the layout; a window group's may hold -1 outside the window); push it once decode has registered.
 
         kv_written: optional barrier the push thread calls before reading the blocks (e.g. a CUDA event's
         synchronize, recorded by the engine on the stream that wrote the KV): the engine never waits.
@@ -471,7 +475,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
     def kv_ready(
         self,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: TableArg,
         num_tokens: int,
         layers: tuple[int, int] | None = None,
         kv_written: Callable[[], None] | None = None,
@@ -483,7 +487,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
         its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
         prefill_done; every barrier reported so far is called before a WRITE reads the blocks.
         """
-        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        blocks = stream_table(self.layout, request_id, block_ids, num_tokens)
         if layers is not None and not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
             raise LayoutError(f"kv_ready {request_id!r}: layers {layers} outside 0..{self.layout.num_layers}")
         self._push.submit(

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LayoutError
+from .groups import single_table
 from .handshake import Session
 from .layout import KVLayout
 from .plan import TransferPlan, build_plan
@@ -40,7 +41,14 @@ def write_order(
             f"a range starting at token {t0} does not start a block on both sides "
             f"(block sizes {src.block_size} and {dst.block_size})"
         )
-    src_blocks, dst_blocks = act.src_blocks[t0 // src.block_size :], act.dst_blocks[t0 // dst.block_size :]
+    src_blocks, dst_blocks = act.src_blocks, act.dst_blocks
+    if t0:  # a later range of a streamed request: one full-attention group (kv_ready refuses others)
+        s_tab, d_tab = single_table(src_blocks), single_table(dst_blocks)
+        if s_tab is None or d_tab is None:
+            raise LayoutError(
+                f"a range starting at token {t0} needs one block table per side, not one per group"
+            )
+        src_blocks, dst_blocks = s_tab[t0 // src.block_size :], d_tab[t0 // dst.block_size :]
     n = act.num_tokens - t0
     layers = None if act.layers is None else range(*act.layers)
     plan: TransferPlan | IndexPlan
@@ -50,7 +58,7 @@ def write_order(
         plan = build_plan(src, dst, src_blocks, dst_blocks, n, layers=layers, heads=act.heads)
     if not act.notify:
         return WriteOrder(plan, b"")
-    done = done_notice(act.request_id, act.attempt, src.tp_rank, act.landed + plan.nbytes, session)
+    done = done_notice(act.request_id, act.attempt, src.rank, act.landed + plan.nbytes, session)
     return WriteOrder(plan, done)
 
 

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
+from .groups import BlockIds, single_table
 from .ranges import StreamPolicy
 from .reasons import Failure
 from .sender_actions import EventOrder as EventOrder
@@ -144,7 +145,7 @@ class SenderState(RangePosting):
     def on_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         now: float,
         decode_engine_id: str = NO_OWNER,
@@ -174,7 +175,10 @@ class SenderState(RangePosting):
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
-        if entry.ready_blocks is not None and block_ids[: len(entry.ready_blocks)] != entry.ready_blocks:
+        flat = single_table(block_ids)
+        if entry.ready_blocks is not None and (
+            flat is None or flat[: len(entry.ready_blocks)] != entry.ready_blocks
+        ):
             actions += self._end(
                 entry, "prefill_done's block table does not extend kv_ready's", Failure.REFUSED
             )

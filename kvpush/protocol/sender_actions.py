@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .groups import BlockIds
 from .reasons import Failure
 from .tp import HeadRange
 
@@ -19,8 +20,8 @@ class StartWrite:
     decode_engine_id: str
     decode_rank: int
     decode_tp: int
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
+    src_blocks: BlockIds
+    dst_blocks: BlockIds
     num_tokens: int
     heads: HeadRange
     order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
@@ -59,7 +60,7 @@ class NotifyDone:
 @dataclass(frozen=True)
 class ReleaseSource:
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     ok: bool
     nbytes: int
     reason: str = ""

@@ -6,6 +6,7 @@ kept apart so the rules for ranges read in one place.
 from __future__ import annotations
 
 from . import sender_table
+from .groups import BlockIds
 from .ranges import Range, StreamPolicy, pending_ranges
 from .reasons import Failure
 from .sender_actions import NotifyDone, NotifyFailure, SenderAction, StartWrite
@@ -93,7 +94,7 @@ class RangePosting:
         d: int,
         rank: Rank,
         reg: Registration,
-        blocks: tuple[int, ...],
+        blocks: BlockIds,
         r: Range,
         notify: bool,
     ) -> StartWrite:
@@ -110,7 +111,7 @@ class RangePosting:
             d,
             reg.decode_tp,
             blocks,
-            tuple(reg.block_ids),
+            reg.tables(),
             r.t1,
             rank.heads,
             entry.created_by,

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .claims import NO_OWNER
+from .groups import BlockIds
 from .reasons import Failure
 from .sender_actions import EventOrder, NotifyFailure
 from .table import IGNORE, Ignore, transition
@@ -120,7 +121,7 @@ class Entry:
     phase: SendPhase = SendPhase.OPEN
     reason: str = ""
     kind: Failure = Failure.ABORTED
-    src_blocks: tuple[int, ...] | None = None  # prefill_done's table (the request is complete)
+    src_blocks: BlockIds | None = None  # prefill_done's table (the request is complete)
     num_tokens: int = 0
     ready_blocks: tuple[int, ...] | None = None  # kv_ready's table so far (a streamed request)
     ready: list[int] | None = None  # per layer: tokens computed, as kv_ready reported them
@@ -136,6 +137,6 @@ class Entry:
     def writing(self) -> bool:
         return bool(self.stale_in_flight) or any(r.inflight for r in self.ranks.values())
 
-    def source(self) -> tuple[int, ...] | None:
+    def source(self) -> BlockIds | None:
         """The blocks the engine gave: prefill_done's table, else (streamed, ended early) kv_ready's."""
         return self.src_blocks if self.src_blocks is not None else self.ready_blocks
