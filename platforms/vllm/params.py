@@ -29,7 +29,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
     Prefill request: do_remote_decode. Decode request: do_remote_prefill plus where the prefill's KV side
     channel is (remote_engine_id, remote_host, remote_port, tp_size, pp_size). transfer_id: the router's
     dispatch id, sent to both engines, so two client requests with the same X-Request-Id never share a
-    transfer key. Unknown keys (another router's) are ignored when reading.
+    transfer key. decode_engine_id (prefill request): the decode engine the router dispatched the other
+    leg to; the prefill then lets only that engine register for (or abort) the transfer, instead of
+    whichever registers first. Unknown keys (another router's) are ignored when reading.
 
     pp_size: None when the router left it out (vllm-router forwards no pp_size). kvpush has no pipeline
     parallelism: a prefill refuses PP > 1 at start-up, so a prefill the decode can handshake with is PP 1
@@ -47,6 +49,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=False):
     remote_block_ids: list[int] | None = None
     transfer_id: str | None = None
     transfer_mode: str | None = None
+    decode_engine_id: str | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> KVTransferParams:

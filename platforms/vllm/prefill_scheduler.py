@@ -46,6 +46,7 @@ class _PrefillRequest:
     key: str
     state: SendState
     reason: str = ""
+    decode_engine_id: str = ""  # the decode the router named: the only one the push may go to
 
 
 class PrefillScheduler(SchedulerBase):
@@ -74,7 +75,11 @@ class PrefillScheduler(SchedulerBase):
         if reason:
             log.warning("kvpush: prefill request %s will not push its KV: %s", rid, reason)
         self.prefills[rid] = _PrefillRequest(
-            request, key, SendState.REFUSED if reason else SendState.COMPUTING, reason
+            request,
+            key,
+            SendState.REFUSED if reason else SendState.COMPUTING,
+            reason,
+            params.decode_engine_id or "",
         )
 
     def _add_to_step(self, scheduler_output: SchedulerOutput, meta: KVPushConnectorMetadata) -> None:
@@ -92,7 +97,7 @@ class PrefillScheduler(SchedulerBase):
                 continue  # a chunk; the prompt completes in a later step
             num_tokens = int(req.num_prompt_tokens)
             blocks = self.block_ids(rid)[: blocks_for(num_tokens, self.settings.block_size)]
-            meta.send.append(SendItem(rid, rec.key, tuple(blocks), num_tokens))
+            meta.send.append(SendItem(rid, rec.key, tuple(blocks), num_tokens, rec.decode_engine_id))
             rec.state = SendState.HANDED
             self.table.drop(rid)
 

@@ -93,7 +93,9 @@ class PrefillWorker(WorkerBase):
             self.by_key[it.key] = rec
             self.handoffs += 1
             blocks = expand_blocks(it.block_ids, self.cache.ratio)
-            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
+            self.endpoint.prefill_done(
+                it.key, blocks, it.num_tokens, kv_written=barrier, decode_engine_id=it.decode_engine_id
+            )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush P %s blocks %s sums %s",

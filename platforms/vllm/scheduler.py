@@ -68,6 +68,7 @@ class SendItem:
     key: str
     block_ids: tuple[int, ...]
     num_tokens: int
+    decode_engine_id: str = ""  # the decode the router named (kv_transfer_params); "" = not named
 
 
 @dataclass

@@ -145,6 +145,7 @@ def test_proxy_command_reads_the_cluster_env_file(tmp_path: Path) -> None:
         "--prefill-pp-size": "1",
         "--decode-pairing": "http://10.0.0.6:5700",
         "--hmac-key-file": str(tmp_path / "hmac.key"),
+        "--decode-engine-id": "c1-decode-0",
     }
 
 

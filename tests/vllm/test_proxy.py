@@ -231,6 +231,7 @@ def expected_push_params(pb: PrefillBackend, request_id: str, transfer_id: str) 
         "remote_block_ids": None,
         "transfer_id": transfer_id,
         "transfer_mode": None,
+        "decode_engine_id": None,  # named on the prefill leg only
     }
 
 
@@ -843,14 +844,17 @@ def test_reused_request_id_gets_a_distinct_transfer_id_per_dispatch():
 class FakePairing:
     """A decode's pairing check (decode_worker.PairingServer): answers with `status` and `error`."""
 
-    def __init__(self, status: int = 200, error: str = ""):
+    def __init__(self, status: int = 200, error: str = "", engine_id: str = ""):
         self.status = status
         self.error = error
+        self.engine_id = engine_id  # the decode_engine_id it reports ("" = none, as an older decode)
         self.asked: list[dict[str, str]] = []
 
     async def handle(self, request: web.Request) -> web.Response:
         self.asked.append(dict(request.query))
-        body = {"ok": self.status == 200, "error": self.error}
+        body: dict[str, Any] = {"ok": self.status == 200, "error": self.error}
+        if self.engine_id:
+            body["decode_engine_id"] = self.engine_id
         return web.json_response(body, status=self.status)
 
     def app(self) -> web.Application:
@@ -913,5 +917,66 @@ def test_ok_pairing_is_reported_and_a_decode_failure_rechecks_it():
             assert status == 200, raw
             status, _, raw, _ = await env.call("POST", "/v1/completions", json_body={"prompt": "y"})
             assert status == 500 and "decode failed" in error_message(raw), raw
+
+    run(body)
+
+
+async def _prefill_leg(env: Env, prefill: Fake, prompt: str) -> dict[str, Any]:
+    status, _, raw, _ = await env.call(
+        "POST", "/v1/completions", json_body={"prompt": prompt, "max_tokens": 4}
+    )
+    assert status == 200, raw
+    params: dict[str, Any] = prefill.received[-1]["body"]["kv_transfer_params"]
+    return params
+
+
+def test_the_prefill_leg_names_the_decode_it_was_dispatched_with():
+    """Ownership on the prefill: the prefill leg's kv_transfer_params carry the engine id of the decode
+    the other leg went to (configured, else as its pairing check reported it), so the prefill lets only
+    that engine register for the push."""
+
+    async def body():
+        decodes = [Fake("decode"), Fake("decode")]
+        prefill = Fake("prefill", kv={"do_remote_decode": True})
+        async with environment([prefill], decodes, decode_engine_ids=["dec-a", "dec-b"]) as env:
+            got = [await _prefill_leg(env, prefill, p) for p in ("x", "y", "z")]
+            # round robin: the first and third went to decode a, the second to b
+            assert [g.get("decode_engine_id") for g in got] == ["dec-a", "dec-b", "dec-a"]
+            assert len(decodes[0].received) == 2 and len(decodes[1].received) == 1
+            for g in got:
+                assert g["do_remote_decode"] is True and g["transfer_id"].startswith("kvp-")
+
+    run(body)
+
+
+def test_a_decode_engine_id_is_learned_from_the_pairing_check_and_a_contradiction_refused():
+    async def body():
+        prefill, decode = Fake("prefill", kv={"do_remote_decode": True}), Fake("decode")
+        checker = FakePairing(200, engine_id="dec-7")
+        async with environment([prefill], [decode], pairing=[checker]) as env:
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 200, raw
+            assert (await _prefill_leg(env, prefill, "x"))["decode_engine_id"] == "dec-7"
+        # told one id, the decode reports another: every registration would be refused, so say so
+        prefill, decode = Fake("prefill", kv={"do_remote_decode": True}), Fake("decode")
+        checker = FakePairing(200, engine_id="dec-7")
+        async with environment([prefill], [decode], pairing=[checker], decode_engine_ids=["dec-8"]) as env:
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 503, raw
+            assert "'dec-7'" in raw.decode() and "'dec-8'" in raw.decode()
+            status, _, raw, _ = await env.call("POST", "/v1/completions", json_body={"prompt": "x"})
+            assert status == 503 and "--decode-engine-id" in error_message(raw)
+            assert not prefill.received and not decode.received
+
+    run(body)
+
+
+def test_without_a_known_decode_engine_id_the_prefill_leg_names_none():
+    async def body():
+        prefill, decode = Fake("prefill", kv={"do_remote_decode": True}), Fake("decode")
+        async with environment([prefill], [decode], pairing=[FakePairing(200)]) as env:
+            status, _, raw, _ = await env.call("GET", "/health")
+            assert status == 200, raw
+            assert "decode_engine_id" not in await _prefill_leg(env, prefill, "x")
 
     run(body)

@@ -168,6 +168,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "/health (give it once per --decode, '' for a decode without one)",
     )
     parser.add_argument(
+        "--decode-engine-id",
+        action="append",
+        metavar="ID",
+        help="engine_id of each decode (once per --decode, '' to learn it from its pairing check): sent "
+        "with the prefill leg, so the prefill pushes only to the decode the request went to",
+    )
+    parser.add_argument(
         "--hmac-key-file",
         metavar="PATH",
         help="the decodes' shared key (base64, not world-readable), to sign --decode-pairing checks; "
@@ -271,11 +278,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     pairing = list(args.decode_pairing or [])
     if pairing and len(pairing) != len(decode):
         raise SystemExit(f"--decode-pairing was given {len(pairing)} times; give it once per --decode")
+    decode_ids = list(args.decode_engine_id or [])
+    if decode_ids and len(decode_ids) != len(decode):
+        raise SystemExit(f"--decode-engine-id was given {len(decode_ids)} times; give it once per --decode")
     return ProxyConfig(
         prefill=prefill,
         decode=decode,
         mode=args.mode,
         decode_pairing=pairing,
+        decode_engine_ids=decode_ids,
         pairing_key=_pairing_key(args.hmac_key_file) if pairing else None,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,

@@ -9,7 +9,6 @@ import itertools
 import json
 import logging
 import time
-import urllib.parse
 import uuid
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -17,18 +16,9 @@ from typing import Any
 
 from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
 from .proxy_http import TimingsLog, error_body
+from .proxy_pairing import Pairing, PrefillBackend
 
 log = logging.getLogger("kvpush.proxy")
-
-
-@dataclass(frozen=True)
-class PrefillBackend:
-    url: str
-    engine_id: str = ""
-    kv_host: str = "127.0.0.1"
-    kv_port: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
 
 
 @dataclass
@@ -38,6 +28,9 @@ class ProxyConfig:
     mode: str = "push"  # push | pull
     # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
     decode_pairing: list[str] = field(default_factory=list)
+    # per decode: its engine_id ("" = learn it from its pairing check's answer). Sent with the prefill leg
+    # (kv_transfer_params.decode_engine_id), so the prefill lets only that engine register for the push
+    decode_engine_ids: list[str] = field(default_factory=list)
     # the shared key of keyed decodes: signs each pairing check (params.PAIRING_HEADER); never shown
     pairing_key: bytes | None = field(default=None, repr=False)
     connect_timeout_s: float = 5.0
@@ -67,32 +60,6 @@ class BackendError(Exception):
         self.backend = backend
 
 
-@dataclass
-class Pairing:
-    """What a decode said about receiving KV from one prefill: ok None = not known yet."""
-
-    prefill: PrefillBackend
-    decode: str
-    pairing_url: str
-    ok: bool | None = None
-    error: str = ""
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "prefill": self.prefill.url,
-            "prefill_engine_id": self.prefill.engine_id,
-            "decode": self.decode,
-            "ok": self.ok,
-            "error": self.error,
-        }
-
-    def refusal(self) -> str:
-        return (
-            f"prefill {self.prefill.engine_id!r} ({self.prefill.url}) cannot push KV to decode {self.decode}: "
-            f"{self.error}"
-        )
-
-
 _POSITIVE = (
     "max_body_bytes",
     "body_timeout_s",
@@ -117,6 +84,11 @@ class Router:
             raise ValueError(
                 f"decode_pairing has {len(cfg.decode_pairing)} entries for {len(cfg.decode)} decode backends"
             )
+        if cfg.decode_engine_ids and len(cfg.decode_engine_ids) != len(cfg.decode):
+            raise ValueError(
+                f"decode_engine_ids has {len(cfg.decode_engine_ids)} entries for {len(cfg.decode)} decode "
+                "backends"
+            )
         for name in _POSITIVE:
             if not getattr(cfg, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
@@ -128,6 +100,9 @@ class Router:
             for p in cfg.prefill
         }
         self._pairing_task: asyncio.Task[None] | None = None
+        # decode URL -> engine id, as configured or as its pairing check reported it
+        self._named = dict(zip(cfg.decode, cfg.decode_engine_ids or [""] * len(cfg.decode), strict=True))
+        self.decode_ids = {d: i for d, i in self._named.items() if i}
         self._prefill = itertools.cycle(cfg.prefill)
         self._decode = itertools.cycle(cfg.decode)
         self._session: Any = None
@@ -161,16 +136,7 @@ class Router:
         """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
         import aiohttp
 
-        query = urllib.parse.urlencode(
-            {
-                "engine_id": pair.prefill.engine_id,
-                "host": pair.prefill.kv_host,
-                "port": pair.prefill.kv_port,
-                "tp_size": pair.prefill.tp_size,
-                "pp_size": pair.prefill.pp_size,
-            }
-        )
-        target = f"/kvpush/pairing?{query}"
+        target = pair.target()
         key = self.cfg.pairing_key
         headers = {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
         try:
@@ -181,21 +147,10 @@ class Router:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             pair.ok, pair.error = None, f"pairing check at {pair.pairing_url} failed: {exc!r}"
             return pair
-        if r.status == 200 and isinstance(body, dict) and body.get("ok"):
-            pair.ok, pair.error = True, ""
-        elif r.status == 401:
-            pair.ok, pair.error = (
-                False,
-                (
-                    f"the decode at {pair.pairing_url} refused the pairing check's signature: give the proxy "
-                    "the decodes' shared key (--hmac-key-file or $KVPUSH_HMAC_KEY)"
-                ),
-            )
-        elif r.status == 409 and isinstance(body, dict):
-            pair.ok, pair.error = False, str(body.get("error") or body)
-        else:  # the prefill did not answer the handshake (504) or something else: not known yet
-            pair.ok, pair.error = None, f"pairing check answered {r.status}: {str(body)[:300]}"
-        if pair.ok is False:
+        pair.take_answer(r.status, body, self._named.get(pair.decode, ""))
+        if pair.ok and pair.decode_engine_id:
+            self.decode_ids[pair.decode] = pair.decode_engine_id
+        elif pair.ok is False:
             log.error("pairing refused: %s", pair.refusal())
         return pair
 
@@ -321,7 +276,11 @@ class Router:
             return await self._relay(decode_url + path, decode_body, headers, client, None, rec)
         # One transfer id per dispatch, to both engines: a client's X-Request-Id need not be unique.
         transfer_id = f"kvp-{uuid.uuid4().hex}"
-        prefill_params = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_dict(sparse=True)
+        prefill_params = KVTransferParams(
+            do_remote_decode=True,
+            transfer_id=transfer_id,
+            decode_engine_id=self.decode_ids.get(decode_url) or None,
+        ).to_dict(sparse=True)
         prefill_task = asyncio.ensure_future(
             self._post_json(prefill.url + path, self._prefill_body(body, prefill_params), headers)
         )

@@ -257,6 +257,7 @@ def start_pd(
     decode_extra: dict[str, Any] | None = None,
     decode_env: dict[str, str] | None = None,
     prefill_env: dict[str, str] | None = None,
+    prefill_args: list[str] | None = None,
     health_timeout_s: float = 300.0,
     start_proxy: bool = True,
     confine_engines: bool = False,
@@ -303,6 +304,7 @@ def start_pd(
         max_model_len,
         block_size,
         dict(prefill_extra or {}),
+        list(prefill_args or ()),  # e.g. --max-num-batched-tokens: chunked prefill in several steps
         env=dict(prefill_env or {}),
     )
     decode = EngineSpec(
@@ -347,6 +349,7 @@ def start_pd(
             ]
             if pairing_port:
                 argv += ["--decode-pairing", f"http://127.0.0.1:{pairing_port}"]
+                argv += ["--decode-engine-id", decode.engine_id]
             proxy_env = {**os.environ, "KVPUSH_PROXY_TIMINGS_TOKEN": timings_token}
             procs.append(Started(f"{connector}-proxy", argv, proxy_env, log_dir / f"{connector}-proxy.log"))
             url = f"http://127.0.0.1:{x_port}"
@@ -413,9 +416,20 @@ def start_single(
     health_timeout_s: float = 300.0,
     confine: bool = False,
     env: dict[str, str] | None = None,
+    engine_args: list[str] | None = None,
 ) -> Deployment:
     spec = EngineSpec(
-        "single", model, free_port(), cores, None, "", 0, max_model_len, block_size, env=dict(env or {})
+        "single",
+        model,
+        free_port(),
+        cores,
+        None,
+        "",
+        0,
+        max_model_len,
+        block_size,
+        extra_args=list(engine_args or ()),
+        env=dict(env or {}),
     )
     argv, proc_env = spec.command()
     proc = Started("single", argv, proc_env, log_dir / "single.log", parse_cores(cores) if confine else None)
