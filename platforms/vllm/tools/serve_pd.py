@@ -257,6 +257,7 @@ def start_pd(
     decode_extra: dict[str, Any] | None = None,
     decode_env: dict[str, str] | None = None,
     prefill_env: dict[str, str] | None = None,
+    prefill_args: list[str] | None = None,
     health_timeout_s: float = 300.0,
     start_proxy: bool = True,
     confine_engines: bool = False,
@@ -303,6 +304,7 @@ def start_pd(
         max_model_len,
         block_size,
         dict(prefill_extra or {}),
+        list(prefill_args or ()),  # e.g. --max-num-batched-tokens: chunked prefill in several steps
         env=dict(prefill_env or {}),
     )
     decode = EngineSpec(
