@@ -118,7 +118,8 @@ class PrefillScheduler(SchedulerBase):
             del self.prefills[rid]  # its key belongs to another live request: nothing of ours to abort
             return False, None
         if rec.state is SendState.COMPUTING and rec.streamed:
-            return self._stop_stream(rid, rec), None  # ranges may be in flight: held until they settled
+            held = list(block_ids[0]) if block_ids else []
+            return self._stop_stream(rid, rec, held), None  # ranges may be in flight: held until settled
         if rec.state is SendState.COMPUTING:
             self._abort_before_hand_over(rid, rec)
             return False, None
@@ -140,12 +141,11 @@ class PrefillScheduler(SchedulerBase):
         self._release(rec.key, rid)
         self.meta.abort_send.append((rid, rec.key))
 
-    def _stop_stream(self, rid: str, rec: _PrefillRequest) -> bool:
+    def _stop_stream(self, rid: str, rec: _PrefillRequest, blocks: list[int]) -> bool:
         """Aborted mid-stream: the push is aborted, then ended by its terminal prefill_done on the blocks
-        it holds now; vLLM keeps them until the worker reports finished_sending (every WRITE settled).
-        False when it holds none (preempted and not rescheduled): nothing to keep."""
+        it holds now (`blocks`, what vLLM says it holds); vLLM keeps them until the worker reports
+        finished_sending (every WRITE settled). False when it holds none (preempted, not rescheduled)."""
         self.table.drop(rid)
-        blocks = self.block_ids(rid)
         n = min(rec.streamed, len(blocks) * self.settings.block_size)
         if n <= 0:
             self._abort_before_hand_over(rid, rec)

@@ -35,6 +35,7 @@ class World:
     written: dict[tuple[int, int], set[tuple[int, int]]] = field(default_factory=dict)  # (att, rank)
     told: dict[tuple[int, int], str] = field(default_factory=dict)  # (att, rank) -> "ok" / "failed"
     releases: int = 0
+    abandoned: set[tuple[int, int]] = field(default_factory=set)  # (att, rank) with a WRITE given up
     ready_reported: bool = False
     engine_aborted: bool = False
 
@@ -62,7 +63,9 @@ class World:
                 assert self.written.get(key) == {(lay, t) for lay in range(LAYERS) for t in range(TOKENS)}
             elif isinstance(a, NotifyFailure):
                 if key in self.written or key in self.told:  # a rank that saw WRITEs: word after they settled
-                    assert not [w for w in self.inflight if (w.attempt, w.decode_rank) == key] or a.abandoned
+                    assert not [w for w in self.inflight if (w.attempt, w.decode_rank) == key]
+                if key in self.abandoned and key not in self.told:
+                    assert a.abandoned, "a WRITE was given up: the decode must fence before it reuses blocks"
                 self._tell(key, "failed", refusal=ack or key not in self.written)
             else:
                 assert not self.inflight, "source released while a WRITE from it is in flight"
@@ -78,6 +81,8 @@ class World:
     def settle(self, i: int, outcome: str) -> None:
         w = self.inflight.pop(i % len(self.inflight))
         ok = outcome == "ok"
+        if outcome == "abandon":
+            self.abandoned.add((w.attempt, w.decode_rank))
         nbytes = (w.num_tokens - w.token_start) * len(range(*(w.layers or (0, LAYERS))))
         acts = self.s.on_write_done(
             RID, w.attempt, w.decode_rank, ok, nbytes, outcome, self.now, outcome == "abandon"

@@ -252,6 +252,28 @@ def test_streaming_prefill_aborted_mid_stream_holds_its_blocks_until_the_push_se
     assert not sched.prefills and not sched.live_keys
 
 
+def test_streaming_prefill_aborted_mid_stream_reads_the_blocks_vllm_holds_without_a_manager():
+    s = ConnectorSettings.from_extra(
+        "prefill", "prefill-0", {**EXTRA, "stream": True}, block_size=BLOCK, tp_size=2, pp_size=1
+    )
+    sched = PrefillScheduler(s)  # vLLM < 0.32: blocks come from the scheduler outputs
+    req = request("a", {"do_remote_decode": True}, prompt=60)
+    sched.update_state_after_alloc(req, blocks(1, 2, 3, 4), 0)
+    meta = sched.build_connector_meta(step({"a": 32}, new={"a": [1, 2, 3, 4]}))
+    assert [(r.block_ids, r.num_tokens) for r in meta.ready] == [((1, 2), 32)]
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, ([1, 2, 3, 4],)) == (True, None)
+    assert [(s.block_ids, s.num_tokens) for s in sched.meta.stop] == [((1, 2), 32)]
+    assert not sched.table.ids
+    # preempted and not rescheduled: vLLM holds nothing, so nothing is kept
+    req2 = request("b", {"do_remote_decode": True}, prompt=60)
+    sched.update_state_after_alloc(req2, blocks(5, 6, 7, 8), 0)
+    sched.build_connector_meta(step({"b": 32}, new={"b": [5, 6, 7, 8]}))
+    req2.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req2, ([],)) == (False, None)
+    assert ("b", "b") in sched.meta.abort_send and "b" not in sched.prefills
+
+
 def test_streaming_prefill_preempted_mid_stream_aborts_its_push_and_reports_no_more():
     sched = streaming_prefill({"a": [4, 5, 6, 7, 8]})
     req = request("a", {"do_remote_decode": True}, prompt=70)
