@@ -6,11 +6,13 @@ the prefill and decode engines' worker processes. Run: python examples/engine_ap
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kvpush import DecodeEndpoint, KVLayout, KVPushConfig, PrefillAddress, PrefillEndpoint
 from kvpush.backends.host import HostKVCache
-from kvpush.config import SideChannel
+from kvpush.config import SideChannel, Streaming
 
 
 def main() -> int:
@@ -20,7 +22,11 @@ def main() -> int:
     prefill_cache.buffer[:] = np.random.default_rng(0).integers(0, 256, prefill_cache.nbytes, dtype=np.uint8)
 
     prefill = PrefillEndpoint(
-        KVPushConfig(engine_id="prefill-0", side_channel=SideChannel(port=0)), prefill_cache.layout
+        # streaming: ranges of >= 256 ready tokens move before prefill_done (default 1024)
+        KVPushConfig(
+            engine_id="prefill-0", side_channel=SideChannel(port=0), streaming=Streaming(min_tokens=256)
+        ),
+        prefill_cache.layout,
     )
     decode = DecodeEndpoint(KVPushConfig(engine_id="decode-0"), decode_cache.layout)
     with prefill, decode:
@@ -42,7 +48,34 @@ def main() -> int:
         src = prefill_cache.block_view(3, 1, 100 + 40 // 16)[(40 % 16) * 256 : (40 % 16 + 1) * 256]
         dst = decode_cache.block_view(3, 1, decode_blocks[40 // 32])[(40 % 32) * 256 : (40 % 32 + 1) * 256]
         print("token 40, layer 3, V equal on both sides:", bool(np.array_equal(src, dst)))
-        return 0 if ready.ok and np.array_equal(src, dst) else 1
+        streamed_ok = stream(prefill, decode, where, prefill_blocks, decode_blocks, num_tokens)
+        return 0 if ready.ok and np.array_equal(src, dst) and streamed_ok else 1
+
+
+def stream(
+    prefill: PrefillEndpoint,
+    decode: DecodeEndpoint,
+    where: PrefillAddress,
+    prefill_blocks: list[int],
+    decode_blocks: list[int],
+    num_tokens: int,
+) -> bool:
+    """Streamed push: the engine reports each prefill chunk with kv_ready (here 256 tokens, all layers);
+    those WRITEs start while the next chunk computes, and prefill_done moves only the rest. The decode is
+    told once, when every byte landed. (A request under streaming.min_tokens moves in one piece.)"""
+    decode.expect("req-2", decode_blocks, num_tokens, where)
+    for done in range(256, num_tokens, 256):  # after each chunked-prefill step
+        time.sleep(0.02)  # the chunk computes (ranges reported before the registration coalesce)
+        prefill.kv_ready("req-2", prefill_blocks[: -(-done // 16)], done)
+    prefill.prefill_done("req-2", prefill_blocks, num_tokens)  # the terminal call, as always
+    [ready] = decode.wait_any(timeout=10)
+    sent = []
+    while not sent:
+        sent = prefill.finished()
+    print(
+        f"streamed: {ready.request_id} ok={ready.ok} bytes={ready.nbytes}, {prefill.stats()['writes']} WRITEs in all"
+    )
+    return ready.ok and sent[0].ok
 
 
 if __name__ == "__main__":

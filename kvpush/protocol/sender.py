@@ -194,9 +194,8 @@ class SenderState(RangePosting):
         decode_engine_id: str = NO_OWNER,
     ) -> list[SenderAction]:
         """Streamed push: the first `num_tokens` tokens of `layers` (None: all) are computed into
-        `block_ids` (a prefix of prefill_done's table). Ready ranges are posted as the policy allows;
-        from here the engine gives its blocks back only through a SendResult (after prefill_done or its
-        own abort), once every WRITE from them settled."""
+        `block_ids` (a prefix of prefill_done's table). Ready ranges are posted as the policy allows.
+        prefill_done stays the terminal call, after an abort too: its release waits for every WRITE."""
         if request_id not in self._entries and request_id in self._tombstones:
             return []  # finished or aborted already: prefill_done (if it comes) answers
         entry = self._entries.get(request_id)
@@ -292,7 +291,6 @@ class SenderState(RangePosting):
         if entry is None:
             self._tombstones.prefill_aborted(request_id, now)
             return []
-        entry.engine_abort = True
         return self._end(entry, reason, kind) + self._advance(entry, now)
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
@@ -459,17 +457,13 @@ class SenderState(RangePosting):
             assert entry.src_blocks is not None  # DONE ranks were written from it
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)
-        elif entry.phase is SendPhase.ENDING:
-            blocks = (
-                entry.src_blocks
-                if entry.src_blocks is not None or not entry.engine_abort
-                else entry.ready_blocks
-            )
-            if blocks is not None:
-                actions.append(
-                    ReleaseSource(entry.request_id, blocks, False, entry.nbytes, entry.reason, entry.kind)
+        elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
+            actions.append(
+                ReleaseSource(
+                    entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason, entry.kind
                 )
-                self._finish(entry, None)
+            )
+            self._finish(entry, None)
         return actions
 
     def _finish(self, entry: Entry, now: float | None) -> None:

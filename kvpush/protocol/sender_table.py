@@ -130,13 +130,8 @@ class Entry:
     owner: str = NO_OWNER  # the only decode engine that may act on it (claims.py)
     decode_tp: int = 0
     ranks: dict[int, Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
-    engine_abort: bool = False  # the prefill engine aborted it: kv_ready's blocks go back once settled
     stale_in_flight: dict[tuple[int, int], Stale] = field(default_factory=dict)  # (attempt, rank)
     nbytes: int = 0
 
     def writing(self) -> bool:
         return bool(self.stale_in_flight) or any(r.inflight for r in self.ranks.values())
-
-    def source(self) -> BlockIds | None:
-        """The blocks the engine gave: prefill_done's table, else (streamed, ended early) kv_ready's."""
-        return self.src_blocks if self.src_blocks is not None else self.ready_blocks

@@ -116,6 +116,7 @@ _OWN_KEYS = (
     "model_tag",
     "connect_timeout_s",
     "idle_wait_ms",
+    "stream",
     "pairing_port",
     "pairing_host",
     "kv_cache_layout",
@@ -191,6 +192,9 @@ class ConnectorSettings:
     idle_wait_s: float = 0.0
     pairing_port: int = 0
     pairing_host: str = "127.0.0.1"
+    # Prefill: after each chunked-prefill step the prompt's complete blocks move (kvpush's kv_ready); the
+    # thresholds are kvpush's stream_min_tokens / stream_min_bytes. Off by default (see README).
+    stream: bool = False
 
     @property
     def is_producer(self) -> bool:
@@ -251,4 +255,14 @@ class ConnectorSettings:
             idle_wait_s=idle_wait_ms / 1000.0,
             pairing_port=pairing_port,
             pairing_host=pairing_host,
+            stream=_flag(own.get("stream", False), "stream"),
         )
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A JSON boolean (or its usual spellings) from kv_connector_extra_config."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ConfigError(f"KVPushConnector: {name} must be true or false, got {value!r}")

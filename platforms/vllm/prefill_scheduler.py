@@ -47,6 +47,8 @@ class _PrefillRequest:
     state: SendState
     reason: str = ""
     decode_engine_id: str = ""  # the decode the router named: the only one the push may go to
+    streamed: int = 0  # tokens reported ready (kv_ready) so far; > 0: the push thread may read its blocks
+    stream_off: bool = False  # preempted mid-stream: its push is aborted, nothing more is reported
 
 
 class PrefillScheduler(SchedulerBase):
@@ -93,7 +95,14 @@ class PrefillScheduler(SchedulerBase):
             if rec is None or rec.state is not SendState.COMPUTING:
                 continue
             req = rec.request
-            if req.num_computed_tokens + n < req.num_prompt_tokens:
+            done = int(req.num_computed_tokens + n)
+            if rec.streamed and not rec.stream_off and req.num_computed_tokens < rec.streamed:
+                self._preempted(rid, rec, meta)  # vLLM freed and reallocated its blocks: stop reading them
+            if done < req.num_prompt_tokens:
+                if self.settings.stream and not rec.stream_off and done > rec.streamed:
+                    blocks = self.block_ids(rid)[: blocks_for(done, self.settings.block_size)]
+                    meta.ready.append(SendItem(rid, rec.key, tuple(blocks), done, rec.decode_engine_id))
+                    rec.streamed = done
                 continue  # a chunk; the prompt completes in a later step
             num_tokens = int(req.num_prompt_tokens)
             blocks = self.block_ids(rid)[: blocks_for(num_tokens, self.settings.block_size)]
@@ -113,6 +122,9 @@ class PrefillScheduler(SchedulerBase):
         if rec.state is SendState.REFUSED:
             del self.prefills[rid]  # its key belongs to another live request: nothing of ours to abort
             return False, None
+        if rec.state is SendState.COMPUTING and rec.streamed:
+            held = list(block_ids[0]) if block_ids else []
+            return self._stop_stream(rid, rec, held), None  # ranges may be in flight: held until settled
         if rec.state is SendState.COMPUTING:
             self._abort_before_hand_over(rid, rec)
             return False, None
@@ -133,6 +145,36 @@ class PrefillScheduler(SchedulerBase):
         self.table.drop(rid)
         self._release(rec.key, rid)
         self.meta.abort_send.append((rid, rec.key))
+
+    def _stop_stream(self, rid: str, rec: _PrefillRequest, blocks: list[int]) -> bool:
+        """Aborted mid-stream: the push is aborted, then ended by its terminal prefill_done on the blocks
+        it holds now (`blocks`, what vLLM says it holds); vLLM keeps them until the worker reports
+        finished_sending (every WRITE settled). False when it holds none (preempted, not rescheduled)."""
+        self.table.drop(rid)
+        n = min(rec.streamed, len(blocks) * self.settings.block_size)
+        if n <= 0:
+            self._abort_before_hand_over(rid, rec)
+            return False
+        self.meta.abort_send.append((rid, rec.key))
+        self.meta.stop.append(
+            SendItem(
+                rid,
+                rec.key,
+                tuple(blocks[: blocks_for(n, self.settings.block_size)]),
+                n,
+                rec.decode_engine_id,
+            )
+        )
+        rec.state = SendState.SENDING
+        return True
+
+    def _preempted(self, rid: str, rec: _PrefillRequest, meta: KVPushConnectorMetadata) -> None:
+        """Preempted mid-stream (vLLM freed its blocks): the push is aborted before anything else is
+        handed over, so the decode is told it failed and nothing read from the freed blocks counts. The
+        request still completes here and ends its push with prefill_done, which then fails."""
+        log.warning("kvpush: prefill request %s was preempted mid-stream: its push is aborted", rid)
+        meta.abort_send.append((rid, rec.key))  # the worker aborts before it hands anything over
+        rec.stream_off = True
 
     def _hold_while_sending(self, request: Request, rec: _PrefillRequest) -> dict[str, Any]:
         """Handed over: its blocks stay until the worker reports finished_sending. A request that did not

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,7 @@ from kvpush.endpoint import PrefillEndpoint, SendResult
 from .layout_probe import expand_blocks
 from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
-from .scheduler import KVPushConnectorMetadata
+from .scheduler import KVPushConnectorMetadata, SendItem
 from .worker_common import WorkerBase
 
 if TYPE_CHECKING:
@@ -74,38 +75,52 @@ class PrefillWorker(WorkerBase):
             self.bind_waker(meta.wake_path, self.endpoint)
 
     def end_step(self, meta: KVPushConnectorMetadata) -> None:
-        """After the forward pass: the prompt KV of meta.send is in memory now; hand it over."""
-        if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send):
+        """After the forward pass: the KV this step computed is in memory now; hand it over (whole prompts
+        in meta.send, streamed chunks in meta.ready)."""
+        if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send or meta.ready):
             return
         # Device kernels write the KV on a stream: the backend records a marker here (CUDA: an event on
         # the current stream; host: nothing) and the push thread waits on it before reading the blocks.
         # One marker covers every request of this step; nothing on this thread waits for the device.
-        barrier = self.cache.kv_written_barrier() if meta.send else None
+        barrier = self.cache.kv_written_barrier() if (meta.send or meta.ready) else None
         now = time.monotonic()
-        for it in meta.send:
-            rec = _Push(it.req_id, it.key, now)
-            self.by_req[it.req_id] = rec
-            if it.key in self.by_key:
-                # The scheduler refuses colliding keys; should one still get here, fail it alone
-                # rather than let the endpoint treat it as the live request's resend.
-                rec.result = SendResult(it.key, False, (), f"transfer key {it.key!r} is in use")
-                continue
-            self.by_key[it.key] = rec
-            self.handoffs += 1
-            blocks = expand_blocks(it.block_ids, self.cache.ratio)
-            self.endpoint.prefill_done(
-                it.key, blocks, it.num_tokens, kv_written=barrier, decode_engine_id=it.decode_engine_id
-            )
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "kvpush P %s blocks %s sums %s",
-                    it.key,
-                    it.block_ids,
-                    debug_checksums(self.kv_caches, blocks, it.num_tokens, self.cache.layout.block_size),
-                )
+        # aborts first: a request preempted mid-stream is aborted before its prefill_done in this step
         for _rid, key in meta.abort_send:
             self.endpoint.abort(key, "request aborted on prefill")
+        for it in meta.ready:
+            self.endpoint.kv_ready(
+                it.key,
+                expand_blocks(it.block_ids, self.cache.ratio),
+                it.num_tokens,
+                kv_written=barrier,
+                decode_engine_id=it.decode_engine_id,
+            )
+        for it in [*meta.stop, *meta.send]:  # stop: aborted mid-stream, ended by its terminal call
+            self._hand(it, now, barrier)
         self.publish_stats(news=True)
+
+    def _hand(self, it: SendItem, now: float, barrier: Callable[[], None] | None) -> None:
+        rec = _Push(it.req_id, it.key, now)
+        self.by_req[it.req_id] = rec
+        if it.key in self.by_key:
+            # The scheduler refuses colliding keys; should one still get here, fail it alone
+            # rather than let the endpoint treat it as the live request's resend.
+            rec.result = SendResult(it.key, False, (), f"transfer key {it.key!r} is in use")
+            return
+        assert self.endpoint is not None and self.cache is not None
+        self.by_key[it.key] = rec
+        self.handoffs += 1
+        blocks = expand_blocks(it.block_ids, self.cache.ratio)
+        self.endpoint.prefill_done(
+            it.key, blocks, it.num_tokens, kv_written=barrier, decode_engine_id=it.decode_engine_id
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "kvpush P %s blocks %s sums %s",
+                it.key,
+                it.block_ids,
+                debug_checksums(self.kv_caches, blocks, it.num_tokens, self.cache.layout.block_size),
+            )
 
     def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""

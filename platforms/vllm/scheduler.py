@@ -78,6 +78,8 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
     abort_recv: list[str] = field(default_factory=list)
     cancel_recv: list[CancelItem] = field(default_factory=list)
     send: list[SendItem] = field(default_factory=list)
+    ready: list[SendItem] = field(default_factory=list)  # streamed: this step's chunk is computed (kv_ready)
+    stop: list[SendItem] = field(default_factory=list)  # streamed and aborted: abort, then the terminal call
     abort_send: list[tuple[str, str]] = field(default_factory=list)  # (req_id, key)
     wake_path: str = ""  # the scheduler's IdleWaiter; workers wake it when a transfer settles
 
@@ -88,6 +90,8 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
             or self.abort_recv
             or self.cancel_recv
             or self.send
+            or self.ready
+            or self.stop
             or self.abort_send
         )
 

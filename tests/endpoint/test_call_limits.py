@@ -8,7 +8,7 @@ import pytest
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from kvpush.errors import RequestError
+from kvpush.errors import LayoutError, RequestError
 from kvpush.protocol.layout import KVLayout
 from kvpush.transport.memory import MemoryHub, MemoryTransport
 
@@ -49,3 +49,14 @@ def test_a_registration_over_max_message_bytes_is_refused_naming_the_setting(pai
         d.expect("big", list(range(70_000, 70_000 + n)), n, addr)
     d.expect("fits", list(range(1000)), 1000, addr)  # a smaller table still goes
     assert d.pending() == 1
+
+
+def test_kv_ready_refuses_bad_ranges_at_once(pair):
+    p, _d, _addr = pair
+    with pytest.raises(LayoutError, match=r"layers \(0, 2\) outside 0..1"):
+        p.kv_ready("s", [1, 2], 2, layers=(0, 2))
+    with pytest.raises(LayoutError, match="cannot hold"):
+        p.kv_ready("s", [1], 2)
+    with pytest.raises(RequestError, match="600 characters"):
+        p.kv_ready("x" * 600, [1, 2], 2)
+    assert p.pending() == 0

@@ -1,6 +1,7 @@
 """Streamed push over real NIXL (UCX loopback, host DRAM): ranges reported with kv_ready land before
 prefill_done, the decode is told once, every byte is verified; ranges reported before the registration
-coalesce; layer ranges; a request aborted mid-stream gives its blocks back only after its WRITEs settled;
+coalesce; layer ranges; a request aborted mid-stream gives its blocks back (at its terminal prefill_done) only after its
+WRITEs settled;
 a request under the threshold moves in one piece."""
 
 from __future__ import annotations
@@ -139,9 +140,12 @@ def test_abort_mid_stream_releases_only_after_every_write_settled():
         for c in (32, 64, 96):  # 3 of 8 ranges
             pe[0].kv_ready("a", _blocks(pb, c, 16), c)
         pe[0].abort("a", "client went away")
+        assert _until(lambda: not pe[0]._push.scheduler.writes)  # the ranges in flight settle
+        assert pe[0].finished() == []  # nothing is released before the terminal prefill_done
+        pe[0].prefill_done("a", pb, n)  # prefill_done stays the terminal call, after an abort too
         sent = _wait(pe[0])
-        assert len(sent) == 1 and not sent[0].ok and tuple(sent[0].block_ids) == tuple(pb[:6])
-        assert pe[0]._push.scheduler.writes == [] and not pe[0]._push.scheduler.queues
+        assert len(sent) == 1 and not sent[0].ok and tuple(sent[0].block_ids) == tuple(pb)
+        assert not pe[0]._push.scheduler.queues
         got = _wait(de[0])
         assert len(got) == 1 and not got[0].ok
         assert not pe[0].pending() and not de[0].pending()

@@ -215,6 +215,78 @@ def test_prefill_request_aborted_while_computing_leaves_no_table_entry():
     assert not sched.table.ids and not sched.prefills
 
 
+def streaming_prefill(table: dict[str, list[int]]) -> PrefillScheduler:
+    s = ConnectorSettings.from_extra(
+        "prefill", "prefill-0", {**EXTRA, "stream": True}, block_size=BLOCK, tp_size=2, pp_size=1
+    )
+    return PrefillScheduler(s, lambda rid: table[rid])
+
+
+def test_streaming_prefill_reports_each_chunk_then_hands_the_prompt_over():
+    sched = streaming_prefill({"a": [4, 5, 6, 7, 8]})
+    req = request("a", {"do_remote_decode": True}, prompt=70)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6, 7, 8), 0)
+    meta = sched.build_connector_meta(step({"a": 24}))
+    assert [(r.key, r.block_ids, r.num_tokens) for r in meta.ready] == [("a", (4, 5), 24)] and not meta.send
+    req.num_computed_tokens = 24
+    meta = sched.build_connector_meta(step({"a": 24}))
+    assert [(r.block_ids, r.num_tokens) for r in meta.ready] == [((4, 5, 6), 48)]
+    req.num_computed_tokens = 48
+    meta = sched.build_connector_meta(step({"a": 22}))
+    assert not meta.ready and [(s.block_ids, s.num_tokens) for s in meta.send] == [((4, 5, 6, 7, 8), 70)]
+    assert not settings("prefill").stream  # off unless asked for
+
+
+def test_streaming_prefill_aborted_mid_stream_holds_its_blocks_until_the_push_settled():
+    sched = streaming_prefill({"a": [4, 5, 6, 7, 8]})
+    req = request("a", {"do_remote_decode": True}, prompt=70)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6, 7, 8), 0)
+    sched.build_connector_meta(step({"a": 32}))
+    req.status = RequestStatus.FINISHED_ABORTED
+    hold, answer = sched.request_finished(req, ([4, 5, 6, 7, 8],))
+    assert hold and answer is None  # its ranges may be in flight: vLLM keeps the blocks
+    assert sched.meta.abort_send == [("a", "a")]
+    assert [(s.key, s.block_ids, s.num_tokens) for s in sched.meta.stop] == [("a", (4, 5), 32)]
+    assert sched.prefills["a"].state is SendState.SENDING and sched.has_pending_work()
+    sched.update_connector_output(SimpleNamespace(finished_sending={"a"}, finished_recving=None))
+    assert not sched.prefills and not sched.live_keys
+
+
+def test_streaming_prefill_aborted_mid_stream_reads_the_blocks_vllm_holds_without_a_manager():
+    s = ConnectorSettings.from_extra(
+        "prefill", "prefill-0", {**EXTRA, "stream": True}, block_size=BLOCK, tp_size=2, pp_size=1
+    )
+    sched = PrefillScheduler(s)  # vLLM < 0.32: blocks come from the scheduler outputs
+    req = request("a", {"do_remote_decode": True}, prompt=60)
+    sched.update_state_after_alloc(req, blocks(1, 2, 3, 4), 0)
+    meta = sched.build_connector_meta(step({"a": 32}, new={"a": [1, 2, 3, 4]}))
+    assert [(r.block_ids, r.num_tokens) for r in meta.ready] == [((1, 2), 32)]
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req, ([1, 2, 3, 4],)) == (True, None)
+    assert [(s.block_ids, s.num_tokens) for s in sched.meta.stop] == [((1, 2), 32)]
+    assert not sched.table.ids
+    # preempted and not rescheduled: vLLM holds nothing, so nothing is kept
+    req2 = request("b", {"do_remote_decode": True}, prompt=60)
+    sched.update_state_after_alloc(req2, blocks(5, 6, 7, 8), 0)
+    sched.build_connector_meta(step({"b": 32}, new={"b": [5, 6, 7, 8]}))
+    req2.status = RequestStatus.FINISHED_ABORTED
+    assert sched.request_finished(req2, ([],)) == (False, None)
+    assert ("b", "b") in sched.meta.abort_send and "b" not in sched.prefills
+
+
+def test_streaming_prefill_preempted_mid_stream_aborts_its_push_and_reports_no_more():
+    sched = streaming_prefill({"a": [4, 5, 6, 7, 8]})
+    req = request("a", {"do_remote_decode": True}, prompt=70)
+    sched.update_state_after_alloc(req, blocks(4, 5, 6, 7, 8), 0)
+    sched.build_connector_meta(step({"a": 32}))
+    req.num_computed_tokens = 0  # preempted: vLLM freed its blocks and computes it again
+    meta = sched.build_connector_meta(step({"a": 48}))
+    assert meta.abort_send == [("a", "a")] and not meta.ready
+    req.num_computed_tokens = 48
+    meta = sched.build_connector_meta(step({"a": 22}))
+    assert [s.num_tokens for s in meta.send] == [70]  # the terminal call still comes (its push fails)
+
+
 # ---- decode ----------------------------------------------------------------------------------------
 def test_decode_registers_the_prompts_blocks_with_the_prefills_address():
     sched = DecodeScheduler(settings("decode"))
