@@ -123,19 +123,23 @@ def probe_kv_caches(
     kv_cache_config: Any = None,
 ) -> ProbedCache:
     """kv_cache_config: the connector's (vLLM passes it to connectors it constructs with one); its
-    KV cache groups decide whether a hybrid cache is refused."""
+    KV cache groups decide what is refused (hybrid caches, windows) and whether the cache holds MLA
+    latents (then one "head" per token, whatever the model's KV head count)."""
     rank = tensor_parallel_rank()
     backend, backend_cls = attention_backend(vllm_config, kv_caches)
     first = next(iter(kv_caches.values()))
+    features = features_from_vllm(vllm_config, kv_cache_config)
+    # MLA: one latent per token, replicated on every TP rank (not split by the model's KV heads)
+    total_kv_heads = 1 if features.mla else int(vllm_config.model_config.get_total_num_kv_heads())
     probed = probe_layout(
         kv_caches,
         block_size=settings.block_size,
-        total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+        total_kv_heads=total_kv_heads,
         tp_rank=rank,
         tp_size=settings.tp_size,
         model_tag=model_tag(vllm_config, settings.model_tag),
         declared=declared_layout(backend, backend_cls, first),
-        features=features_from_vllm(vllm_config, kv_cache_config),
+        features=features,
     )
     layout, ratio = probed.layout, probed.blocks_per_vllm_block
     if backend == CPU_BACKEND:
