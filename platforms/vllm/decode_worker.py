@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
-from .layout_probe import expand_blocks
+from .block_table import GroupIds, expand_group_ids, first_table, real_ids
 from .overdue import Held, OverdueCheck
 from .pairing import PairingServer
 from .probe import debug_checksums
@@ -45,7 +45,7 @@ OVERDUE_SLACK_S = 2.0
 class _Recv:
     req_id: str  # vLLM's internal id
     key: str  # the transfer key both engines agree on
-    block_ids: tuple[int, ...]  # vLLM's block ids (before expanding to kernel blocks)
+    block_ids: GroupIds  # vLLM's block ids, per KV-cache group (before expanding to kernel blocks)
     num_tokens: int
     expected_at: float
     aborted: bool = False  # vLLM finished it while it waited: report it, but not as a load failure
@@ -116,7 +116,7 @@ class DecodeWorker(WorkerBase):
             self.expects += 1
             self.endpoint.expect(
                 it.key,
-                expand_blocks(it.block_ids, self.cache.ratio),
+                expand_group_ids(it.block_ids, self.cache.ratio),  # type: ignore[arg-type]
                 it.num_tokens,
                 it.prefill,
             )
@@ -148,7 +148,7 @@ class DecodeWorker(WorkerBase):
         for fail in self.instant_fail:
             recving.add(fail.req_id)
             failed.add(fail.req_id)
-            self.failed_blocks.update(fail.block_ids)
+            self.failed_blocks.update(real_ids(fail.block_ids))
             self.recv_failed += 1
             log.warning("kvpush: request %s cannot receive KV: %s", fail.req_id, fail.reason)
         self.instant_fail.clear()
@@ -167,7 +167,7 @@ class DecodeWorker(WorkerBase):
                     rec.block_ids,
                     debug_checksums(
                         self.kv_caches,
-                        expand_blocks(rec.block_ids, self.cache.ratio),
+                        first_table(expand_group_ids(rec.block_ids, self.cache.ratio)),
                         rec.num_tokens,
                         self.cache.layout.block_size,
                     ),
@@ -180,7 +180,7 @@ class DecodeWorker(WorkerBase):
                 self.recv_failed += 1
                 if not rec.aborted:
                     failed.add(rec.req_id)
-                    self.failed_blocks.update(rec.block_ids)
+                    self.failed_blocks.update(real_ids(rec.block_ids))
                     log.warning("kvpush: KV for %s did not arrive: %s", rec.req_id, r.reason)
         self.check_overdue(time.monotonic())
         self.publish_stats(news)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import PrefillEndpoint, SendResult
 
-from .layout_probe import expand_blocks
+from .block_table import expand_group_ids, first_table
 from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata
@@ -92,14 +92,17 @@ class PrefillWorker(WorkerBase):
                 continue
             self.by_key[it.key] = rec
             self.handoffs += 1
-            blocks = expand_blocks(it.block_ids, self.cache.ratio)
-            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
+            blocks = expand_group_ids(it.block_ids, self.cache.ratio)
+            # per-group tables reach here only once the endpoint takes them (the probe refuses groups)
+            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)  # type: ignore[arg-type]
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush P %s blocks %s sums %s",
                     it.key,
                     it.block_ids,
-                    debug_checksums(self.kv_caches, blocks, it.num_tokens, self.cache.layout.block_size),
+                    debug_checksums(
+                        self.kv_caches, first_table(blocks), it.num_tokens, self.cache.layout.block_size
+                    ),
                 )
         for _rid, key in meta.abort_send:
             self.endpoint.abort(key, "request aborted on prefill")
