@@ -95,3 +95,25 @@ def group_of_layers(groups: tuple[CacheGroup, ...], names: list[str]) -> tuple[i
             f"(groups: {[list(g.layer_names) for g in groups]})"
         )
     return tuple(where[n] for n in names)
+
+
+def kept_window(group: CacheGroup) -> int:
+    """The tokens before its next position a window group's cache must hold: vLLM's sliding window
+    counts the position itself, so window - 1 (what vLLM keeps when a request finishes, and what the
+    decode's next position reads; scheduler.window_backoff makes that position the decode's). 0 for
+    every other kind (kvpush's "full attention": every block moves)."""
+    if group.kind != "window":
+        return 0
+    if group.window < 2:
+        raise LayoutError(f"sliding window {group.window}: a window group must keep at least one token")
+    return group.window - 1
+
+
+def layout_groups(
+    groups: tuple[CacheGroup, ...], names: list[str]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(layer_group, group_window) of a KVLayout for these vLLM groups and layer names: both empty for
+    one full-attention group, so such a layout (and its compatibility hash) is the one of before."""
+    if not groups or (len(groups) == 1 and groups[0].kind != "window"):
+        return (), ()
+    return group_of_layers(groups, names), tuple(kept_window(g) for g in groups)

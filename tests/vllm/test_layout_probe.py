@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvpush.platforms.vllm.cache_groups import cache_groups, group_of_layers
+from kvpush.platforms.vllm.cache_groups import cache_groups, group_of_layers, layout_groups
 from kvpush.platforms.vllm.layout_probe import (
     CPU_VIEW,
     FLASH_ATTN_5D,
@@ -377,3 +377,19 @@ def test_mla_latent_is_one_replicated_head_whatever_the_model_config_says() -> N
         assert (lay.num_kv_heads, lay.total_kv_heads, lay.kv_per_layer, lay.head_dim) == (1, 1, 1, 576)
         assert lay.dtype_size == 4 and not lay.atomic_blocks
         _check_addresses(lay, list(caches.values()), lambda kv, b, n, h: (b, h, n))
+
+
+def test_layout_groups_keep_window_minus_one_tokens_and_leave_one_full_group_as_before() -> None:
+    full = _spec("FullAttentionSpec", num_kv_heads=2, head_size=64)
+    window = _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)
+    hybrid = cache_groups(_kv_cache_config((["l2"], full), (["l0", "l3"], window), (["l1"], window)))
+    assert layout_groups(hybrid, ["l0", "l1", "l2", "l3"]) == ((1, 2, 0, 1), (0, 63, 63))
+    assert layout_groups(cache_groups(_kv_cache_config((["l0", "l1"], window))), ["l0", "l1"]) == (
+        (0, 0),
+        (63,),
+    )
+    assert layout_groups(cache_groups(_kv_cache_config((["l0"], full))), ["l0"]) == ((), ())
+    assert layout_groups((), ["l0"]) == ((), ())
+    one = _spec("SlidingWindowSpec", sliding_window=1)
+    with pytest.raises(LayoutError, match="sliding window 1"):
+        layout_groups(cache_groups(_kv_cache_config((["l0"], full), (["l1"], one))), ["l0", "l1"])
