@@ -3,10 +3,9 @@
 One module-scoped P/D pair (through the kvpush proxy) and one reference single engine per cache kind,
 each with its tiny model built offline (tiny_model.py). Lean on purpose: CI runs this on 2 cores.
 
-MLA (DeepSeek-V2-style, vLLM's CPU_MLA backend, block 16): vLLM's CPU MLA engine gives different greedy
-outputs when requests share a batch and between its prefill and decode paths, so each prompt is sent
-alone and compared from the second token on (the test says why); then 16 concurrent requests must all
-be pushed, none recomputed or failed, and leave no block held on either side.
+MLA (DeepSeek-V2-style, vLLM's CPU_MLA backend, block 16): vLLM's CPU MLA engine is no token oracle (its
+prefill and decode paths disagree; the test says how), so every request's latents are compared by
+checksum between the two engines, sent alone and 16 at once; all pushed, none failed, nothing held.
 
 Window kinds (Gemma-3-style hybrid, Mistral-style all-window, gpt-oss-style): 16 prompts at once, token
 for token equal to the single engine, lengths around the window and at N % block == block - 1.
@@ -15,6 +14,7 @@ for token equal to the single engine, lengths around the window and at N % block
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,13 +58,47 @@ def _kv_usage(url: str) -> float:
     return client.metric(client.metrics(url), "vllm:kv_cache_usage_perc")
 
 
+def _debug_logging(logs: Path) -> Path:
+    """A vLLM logging config that turns on kvpush's DEBUG lines (each request's KV checksums on both
+    sides: the prefill's at hand-over, the decode's when its KV landed) and keeps vLLM's at WARNING."""
+    handler = {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(name)s %(levelname)s %(message)s"}},
+        "handlers": {"out": handler},
+        "loggers": {
+            "kvpush.vllm": {"level": "DEBUG", "handlers": ["out"], "propagate": False},
+            "vllm": {"level": "WARNING", "handlers": ["out"], "propagate": False},
+        },
+    }
+    path = logs / "debug-logging.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+_SUMS = re.compile(r"kvpush (P|D) (\S+) (?:ok=(\w+) )?blocks .* sums (\[[^\]]*\])")
+
+
+def checksums(log_path: Path, side: str) -> dict[str, list[float]]:
+    """transfer key -> [first layer, last layer] KV sums over the request's tokens, from an engine's
+    DEBUG log (the decode's only for requests whose KV arrived)."""
+    out = {}
+    for m in _SUMS.finditer(log_path.read_text(errors="replace")):
+        if m.group(1) == side and m.group(3) in (None, "True"):
+            out[m.group(2)] = json.loads(m.group(4))
+    return out
+
+
 class Kind:
     """A started P/D pair and reference engine for one tiny model; stopped by the fixture."""
 
-    def __init__(self, variant: str, logs: Path) -> None:
+    def __init__(self, variant: str, logs: Path, reference: bool = True) -> None:
         self.model = str(build(variant))
+        self.logs = logs
         self.stats_dir = logs / "stats"
         extra = {"stats_dir": str(self.stats_dir), "lease_s": 30.0, "ready_timeout_s": 40.0}
+        env = {} if reference else {"VLLM_LOGGING_CONFIG_PATH": str(_debug_logging(logs))}
         self.pd: Deployment = start_pd(
             "kvpush",
             self.model,
@@ -72,8 +106,12 @@ class Kind:
             max_model_len=MAX_MODEL_LEN,
             prefill_extra=extra,
             decode_extra=extra,
+            prefill_env=env,
+            decode_env=env,
         )
         self.single: Deployment | None = None
+        if not reference:
+            return
         try:
             # after the pair is up, so the start-ups do not fight for the 2 cores
             self.single = start_single(self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN)
@@ -115,7 +153,7 @@ class Kind:
 @pytest.fixture
 def mla(tmp_path_factory: pytest.TempPathFactory):
     # function scope: one test each, so no two kinds' engines are ever up at once
-    kind = Kind("mla", tmp_path_factory.mktemp("vllm-mla"))
+    kind = Kind("mla", tmp_path_factory.mktemp("vllm-mla"), reference=False)
     yield kind
     kind.stop()
 
@@ -129,45 +167,45 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     kind.stop()
 
 
-def test_mla_pd_continues_each_prompt_as_the_single_engine_and_16_way_leaks_nothing(mla: Kind) -> None:
-    """vLLM's CPU MLA engine disagrees with itself: the token after a prompt comes out of its prefill
-    path (SDPA) on a single engine but out of its decode kernel on a P/D decode (which recomputes the
-    prompt's last position), and the two paths pick different greedy tokens (a single engine given
-    prompt + its own first token continues differently too). So each prompt, sent alone, is extended by
-    the single engine's first token: the P/D decode then computes that position with the decode kernel
-    over the KV the prefill pushed, as the single engine's second step does over its own KV, and the
-    following tokens must match. Any byte of the latent misplaced changes them."""
-    assert mla.single is not None
-    text = " ".join(client.make_prompts(1, [3000], seed=19))
-    tokenized = client.post_json(mla.single.url + "/tokenize", {"model": mla.model, "prompt": text}, 60)[
-        "tokens"
-    ]
+def test_mla_latents_arrive_byte_exact_alone_and_16_way_and_nothing_leaks(mla: Kind) -> None:
+    """Every request's latents on the decode, when they landed, sum (first and last layer, over the
+    request's tokens) to what the prefill's were at hand-over: sent one at a time (3 to 900 tokens,
+    inside a block, at its edges, across many) and 16 at once; every request pushed, none failed or
+    recomputed, no block held afterwards.
+
+    Why not greedy tokens against a single engine: vLLM's CPU MLA engine disagrees with itself. A
+    P/D decode computes the prompt's last position with the decode kernel, a single engine with its
+    prefill path (SDPA), and the first tokens differ; pinning that token and comparing the rest still
+    parts at some lengths (prompt + 1 = 16 or 32 tokens), the same inputs giving the same wrong answer
+    each time, while 47 or 95 match: the kernel's answer depends on more than the request's KV. The
+    checksums compare the bytes kvpush moves, which is what it owes."""
     # 3 to 900 tokens: inside one 16-token block, at its edges, across many blocks
-    lengths = [3, 15, 16, 17, 95, 300, 900]
-    prompts = [tokenized[i * 41 : i * 41 + n] for i, n in enumerate(lengths)]
+    prompts = client.make_prompts(7, [2, 8, 9, 10, 50, 150, 450], seed=19)
+    before = mla.counters()
     decode = mla.pd.engines[1]
     metrics_before = client.metrics(decode.url)
-    before = mla.counters()
-    for n, prompt in zip(lengths, prompts, strict=True):
-        want = _complete_ids(mla.single.url, mla.model, prompt, MAX_TOKENS)
-        got = _complete_ids(mla.pd.url, mla.model, prompt + want[:1], MAX_TOKENS - 1)
-        # The next two tokens read only the pushed latents (and the decode kernel's own writes). Later
-        # ones may part at a near tie: the prefill here computed n + 1 tokens, the single engine n, and
-        # SDPA's float sums depend on the length (seen on a 300-token prompt, after two equal tokens).
-        assert got[:2] == want[1:3], f"{n} tokens: P/D {got} != single {want[1:]}"
+    outs = [client.complete(mla.pd.url, mla.model, p, MAX_TOKENS) for p in prompts]
+    assert [len(o) for o in outs] == [MAX_TOKENS] * len(prompts)
     mla.assert_all_pushed_and_released(before, len(prompts))
     after = client.metrics(decode.url)
     name = "vllm:prompt_tokens_by_source_total"
-    pushed = client.metric(after, name, source="external_kv_transfer") - client.metric(
-        metrics_before, name, source="external_kv_transfer"
+    local = client.metric(after, name, source="local_compute") - client.metric(
+        metrics_before, name, source="local_compute"
     )
-    assert pushed >= sum(lengths), "the decode computed the prompts itself instead of receiving their KV"
+    assert local <= len(prompts), "the decode computed prompts itself instead of receiving their KV"
 
     before = mla.counters()
     many = client.make_prompts(CONCURRENCY, [5, 40, 120, 300], seed=20)
     outs = client.complete_many(mla.pd.url, mla.model, many, MAX_TOKENS, concurrency=CONCURRENCY)
     assert [len(o) for o in outs] == [MAX_TOKENS] * CONCURRENCY
     mla.assert_all_pushed_and_released(before, CONCURRENCY)
+
+    sent = _wait(lambda: len(s := checksums(mla.logs / "kvpush-prefill.log", "P")) >= 23 and s)
+    got = _wait(lambda: len(s := checksums(mla.logs / "kvpush-decode.log", "D")) >= 23 and s)
+    assert len(sent) == len(got) == len(prompts) + CONCURRENCY, (len(sent), len(got))
+    differ = {k: (sent.get(k), v) for k, v in got.items() if sent.get(k) != v}
+    assert not differ, f"latents differ between prefill and decode: {differ}"
+    assert all(any(x != 0.0 for x in v) for v in got.values())
 
 
 def _complete_ids(url: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
