@@ -13,14 +13,13 @@ rather than being silently ignored. docs/config.md lists every key (scripts/conf
 
 from __future__ import annotations
 
-import difflib
-import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from .config_errors import _named, _unknown
 from .errors import ConfigError
 from .keyfile import KEY_ENV as KEY_ENV
 from .keyfile import key_from_file_or_env as key_from_file_or_env
@@ -225,6 +224,17 @@ class Posting(_Group, frozen=True):
         _positive(self, "max_inflight_bytes", "max_inflight_descriptors")
 
 
+class Streaming(_Group, frozen=True):
+    """Streamed push (PrefillEndpoint.kv_ready): a ready range moves before prefill_done only once the
+    request has min_tokens tokens ready and the range is at least min_bytes; smaller ranges wait and
+    coalesce, and a short request moves in one piece (a WRITE's fixed cost is not earned back)."""
+
+    min_tokens: Annotated[int, Meta(ge=0, description="Ready tokens a request needs to stream.")] = 1024
+    min_bytes: Annotated[int, Meta(ge=0, description="Smallest range (this rank's bytes) sent early.")] = (
+        1 << 18
+    )
+
+
 class Security(_Group, frozen=True):
     """Authentication and who may pair: a shared secret of at least 16 bytes, the same on both sides.
 
@@ -363,6 +373,7 @@ class KVPushConfig(
     liveness: Liveness = _group(Liveness)
     pacing: Pacing = _group(Pacing)
     posting: Posting = _group(Posting)
+    streaming: Streaming = _group(Streaming)
     security: Security = _group(Security)
     limits: Limits = _group(Limits)
     metrics: Metrics = _group(Metrics)
@@ -417,6 +428,8 @@ GROUPS: dict[str, type[_Group]] = {
 _RENAMED = {
     ("posting", "workers"): "post_workers",
     ("posting", "nudge"): "posted_nudge",
+    ("streaming", "min_tokens"): "stream_min_tokens",
+    ("streaming", "min_bytes"): "stream_min_bytes",
     ("metrics", "port"): "metrics_port",
     ("metrics", "host"): "metrics_host",
 }
@@ -429,12 +442,6 @@ FLAT_KEYS: dict[str, tuple[str, str]] = {
 }
 assert len(FLAT_KEYS) == sum(len(msgspec.structs.fields(c)) for c in GROUPS.values()), "flat keys collide"
 assert not set(FLAT_KEYS) & {*GROUPS, "engine_id"}, "a flat key shadows a group"
-
-
-def _unknown(key: str, known: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean `{close[0]}`?)" if close else ""
-    return ConfigError(f"invalid kvpush config: unknown field `{key}`{hint}")
 
 
 def _nest(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str], str]]:
@@ -477,23 +484,3 @@ def _nest(data: Mapping[str, Any]) -> tuple[dict[str, Any], dict[tuple[str, str]
         else:
             raise _unknown(str(key), [*FLAT_KEYS, *GROUPS, "engine_id"])
     return nested, origin
-
-
-_AT = re.compile(r" - at `\$\.?([^`]*)`$")
-
-
-def _named(exc: msgspec.ValidationError, origin: dict[tuple[str, str], str]) -> ConfigError:
-    """msgspec's message with its `$.group.field` path replaced by the key the caller wrote."""
-    text = str(exc)
-    if isinstance(exc.__cause__, ConfigError) or isinstance(exc.__context__, ConfigError):
-        return ConfigError(f"invalid kvpush config: {_AT.sub('', text)}")
-    m = _AT.search(text)
-    if not m:
-        return ConfigError(f"invalid kvpush config: {text}")
-    path = m.group(1)
-    group, _, rest = path.partition(".")
-    name = re.match(r"\w*", rest)
-    field = name.group(0) if name else ""
-    key = origin.get((group, field), path)
-    tail = rest[len(field) :] if (group, field) in origin else ""
-    return ConfigError(f"invalid kvpush config: `{key}{tail}`: {text[: m.start()]}")

@@ -9,6 +9,7 @@ Skips with the reason when not root or when `ip netns` does not work here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -68,8 +69,10 @@ def _why_not() -> str:
     return ""
 
 
-@pytest.fixture
-def two_hosts() -> Iterator[TwoHosts]:
+@contextlib.contextmanager
+def bed() -> Iterator[TwoHosts]:
+    """The two namespaces and the veth between them, for as long as the block runs; skips (naming why)
+    where they cannot be made. Deleting the namespaces deletes the veth with them."""
     why = _why_not()
     if why:
         pytest.skip(why)
@@ -91,6 +94,19 @@ def two_hosts() -> Iterator[TwoHosts]:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True, timeout=30)
         subprocess.run(["ip", "link", "del", hosts.dev_a], check=False, capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[TwoHosts]:
+    with bed() as hosts:
+        yield hosts
+
+
+@pytest.fixture(scope="module")
+def two_hosts_module() -> Iterator[TwoHosts]:
+    """One bed for a whole module: real vLLM engines on it start once and serve every test there."""
+    with bed() as hosts:
+        yield hosts
 
 
 def host_env(**extra: str) -> dict[str, str]:

@@ -8,14 +8,24 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, RequestError, WireError
+from ..protocol.groups import (
+    BlockIds,
+    Table,
+    TableArg,
+    as_block_ids,
+    check_group_tables,
+    flat_ids,
+    single_table,
+)
 from ..protocol.handshake import make_hello
-from ..protocol.layout import KVLayout, check_block_table
+from ..protocol.layout import KVLayout
+from ..protocol.ranges import StreamPolicy
 from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message, request_problem
 from ..transport.base import Transport
@@ -48,7 +58,7 @@ class PrefillAddress:
 class SendResult:
     request_id: str
     ok: bool
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds  # as prefill_done was given them (one table, or one per KV-cache group)
     reason: str = ""
     nbytes: int = 0
     done_at: float = 0.0
@@ -61,7 +71,7 @@ class SendResult:
 class RecvResult:
     request_id: str
     ok: bool
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds  # as expect() was given them (one table, or one per KV-cache group)
     reason: str = ""
     nbytes: int = 0
     ready_at: float = 0.0
@@ -88,8 +98,8 @@ class TransferHooks(Protocol):
     `after_receive` copies them host -> device before the request is reported ready.
     """
 
-    def before_write(self, request_id: str, block_ids: tuple[int, ...]) -> None: ...
-    def after_receive(self, request_id: str, block_ids: tuple[int, ...]) -> None: ...
+    def before_write(self, request_id: str, block_ids: BlockIds) -> None: ...
+    def after_receive(self, request_id: str, block_ids: BlockIds) -> None: ...
 
 
 R = TypeVar("R", SendResult, RecvResult)
@@ -123,7 +133,7 @@ class EndpointThread(TransferThread, Generic[R]):
         self.control: ControlPlane = control if control is not None else ZmqControl()
         self._transport_source = transport
         self._next_tick = 0.0
-        self.ledger = Ledger(self.role, config.engine_id, layout.tp_rank)
+        self.ledger = Ledger(self.role, config.engine_id, layout.rank)
         self.results: queue.SimpleQueue[R] = queue.SimpleQueue()
         self.result_event = threading.Event()
         self.result_listener: Callable[[], None] | None = None
@@ -141,7 +151,7 @@ class EndpointThread(TransferThread, Generic[R]):
     def setup_transport(self) -> tuple[Transport, Hello]:
         src = self._transport_source
         if src is None:
-            transport = new_nixl_transport(self.config, self.role, self.layout.tp_rank, self.mem_type)
+            transport = new_nixl_transport(self.config, self.role, self.layout.rank, self.mem_type)
         elif isinstance(src, Transport):
             transport = src
         else:
@@ -208,8 +218,8 @@ class Endpoint(Generic[R]):
         self._worker.start()
         try:
             if self.config.metrics.port is not None:
-                # one port per TP rank, as for the side channel: rank 1 of a TP=2 engine must not collide
-                serve_metrics(self.config.metrics.host, self.config.metrics.port + self.layout.tp_rank)
+                # one port per rank (PP stage x TP), as for the side channel: ranks must not collide
+                serve_metrics(self.config.metrics.host, self.config.metrics.port + self.layout.rank)
         except BaseException:
             self.close()
             raise
@@ -269,22 +279,37 @@ class Endpoint(Generic[R]):
 def checked_blocks(
     layout: KVLayout,
     request_id: str,
-    block_ids: Sequence[int],
+    block_ids: TableArg,
     num_tokens: int,
     max_message_bytes: int | None = None,
-) -> tuple[int, ...]:
-    """The caller's block table, or an error naming what is wrong (caught here, not on the wire, where it
-    would surface only as a timeout). max_message_bytes: also bound the registration this table makes."""
+) -> BlockIds:
+    """The caller's block table (or one per KV-cache group), or an error naming what is wrong (caught
+    here, not on the wire, where it would surface only as a timeout). max_message_bytes: also bound the
+    registration this table makes."""
     if not request_id:
         raise RequestError("request_id must be a non-empty string")
     if num_tokens <= 0:
         raise RequestError(f"{request_id}: num_tokens must be > 0, got {num_tokens}")
-    check_block_table(layout, block_ids, num_tokens, request_id)
-    blocks = tuple(int(b) for b in block_ids)
-    problem = request_problem(request_id, blocks, num_tokens, max_message_bytes)
+    blocks = as_block_ids(block_ids)
+    check_group_tables(layout, blocks, num_tokens, request_id)
+    problem = request_problem(request_id, flat_ids(blocks)[0], num_tokens, max_message_bytes)
     if problem:
         raise RequestError(f"{request_id[:64]!r}: {problem}")
     return blocks
+
+
+def stream_table(layout: KVLayout, request_id: str, block_ids: TableArg, num_tokens: int) -> Table:
+    """kv_ready's table, checked as `checked_blocks` does: streamed ranges move one full-attention KV-cache
+    group (a window group's oldest blocks leave the table as the prompt grows; several groups are planned
+    per group), so any other layout is refused by name and moves in one piece at prefill_done."""
+    if layout.num_groups != 1 or layout.window(0):
+        raise LayoutError(
+            f"kv_ready {request_id!r}: streamed ranges move one full-attention KV-cache group; this layout "
+            f"has {layout.num_groups} group(s), windows {layout.group_window}: call prefill_done alone"
+        )
+    table = single_table(checked_blocks(layout, request_id, block_ids, num_tokens))
+    assert table is not None  # one group (checked above)
+    return table
 
 
 def _drain(q: queue.SimpleQueue[R]) -> list[R]:
@@ -294,3 +319,10 @@ def _drain(q: queue.SimpleQueue[R]) -> list[R]:
             out.append(q.get_nowait())
         except queue.Empty:
             return out
+
+
+def stream_policy(config: KVPushConfig, layout: KVLayout) -> StreamPolicy:
+    """The streaming thresholds, with this rank's bytes per token per layer to size a range by."""
+    per_token_layer = layout.kv_per_layer * layout.num_kv_heads * layout.unit_bytes
+    s = config.streaming
+    return StreamPolicy(s.min_tokens, s.min_bytes, per_token_layer)

@@ -28,12 +28,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import msgspec
 
 from ..config import KVPushConfig
 from ..errors import HandshakeTimeout, LayoutError, PeerRefused, TransportError, WireError
+from ..protocol.groups import BlockIds, TableArg
 from ..protocol.handshake import check_peer_hello
 from ..protocol.layout import KVLayout
 from ..protocol.reasons import Failure
@@ -46,7 +47,7 @@ from ..protocol.receiver import (
     SendAbort,
     SendRegistration,
 )
-from ..protocol.tp import check_peer_tp, senders_for
+from ..protocol.tp import check_peer_tp, stage_senders
 from ..protocol.wire import (
     Abort,
     ErrorReply,
@@ -382,9 +383,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
         self._finish(Failed(request_id, 0, self.held.pop(request_id).blocks, reason, kind))
 
     # ---- commands -----------------------------------------------------------------------------
-    def cmd_expect(
-        self, request_id: str, blocks: tuple[int, ...], num_tokens: int, prefill: PrefillAddress
-    ) -> None:
+    def cmd_expect(self, request_id: str, blocks: BlockIds, num_tokens: int, prefill: PrefillAddress) -> None:
         now = time.monotonic()
         fresh = not self.state.tracks(request_id) and request_id not in self.held
         if fresh and self.held.rehandshaking(prefill, now) is not None:
@@ -394,7 +393,7 @@ class ReceiveThread(EndpointThread[RecvResult]):
             return
         self.route[request_id] = prefill
         self.expected_at[request_id] = now
-        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now))
+        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now, prefill.pp_size))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         if request_id in self.held:
@@ -407,14 +406,18 @@ class ReceiveThread(EndpointThread[RecvResult]):
             self._fail_held(request_id, reason, Failure.ABORTED)
             return
         self.route.setdefault(request_id, prefill)
-        self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic()))
+        self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic(), prefill.pp_size))
         if not self.state.tracks(request_id):
             self.route.pop(request_id, None)
             self.expected_at.pop(request_id, None)
 
     def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[PrefillPeer]:
-        ranks = senders_for(
-            self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
+        ranks = stage_senders(
+            self.layout.tp_rank,
+            self.layout.tp_size,
+            prefill.tp_size,
+            prefill.pp_size,
+            self.layout.total_kv_heads,
         )
         now = time.monotonic()
         peers = [self.conns.peer(prefill, r, now) for r in ranks]
@@ -466,9 +469,10 @@ class DecodeEndpoint(Endpoint[RecvResult]):
             if all(p.session is not None for p in peers):
                 return
 
-    def expect(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, prefill: PrefillAddress
-    ) -> None:
+    def expect(self, request_id: str, block_ids: TableArg, num_tokens: int, prefill: PrefillAddress) -> None:
+        """Blocks are allocated for request_id's KV: one table, or one per KV-cache group of the layout
+        (a sliding-window group's table may hold -1 for blocks outside the window). With a PP prefill
+        (prefill.pp_size stages) the request is ready once every stage's layers landed."""
         limit = self.config.limits.max_message_bytes
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens, limit)
         self._recv.submit(lambda: self._recv.cmd_expect(request_id, blocks, num_tokens, prefill))

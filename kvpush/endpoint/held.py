@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..protocol.groups import BlockIds
 from ..protocol.layout import KVLayout
-from ..protocol.tp import senders_for
+from ..protocol.tp import stage_senders
 from .base import PrefillAddress
 from .decode_conns import PrefillConnections, PrefillPeer
 
 
 @dataclass(frozen=True)
 class Held:
-    blocks: tuple[int, ...]
+    blocks: BlockIds
     num_tokens: int
     prefill: PrefillAddress
 
@@ -37,8 +38,12 @@ class HeldRequests:
     def rehandshaking(self, prefill: PrefillAddress, now: float) -> PrefillPeer | None:
         """A rank of `prefill` this rank needs that had a session and is being handshaken again (its
         connection closed, or it went silent): the answer may come from a new process."""
-        for rank in senders_for(
-            self.layout.tp_rank, self.layout.tp_size, prefill.tp_size, self.layout.total_kv_heads
+        for rank in stage_senders(
+            self.layout.tp_rank,
+            self.layout.tp_size,
+            prefill.tp_size,
+            prefill.pp_size,
+            self.layout.total_kv_heads,
         ):
             peer = self.conns.prefills.get((prefill.engine_id, rank))
             if peer is None:

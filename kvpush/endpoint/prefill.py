@@ -15,22 +15,33 @@ queued on the WRITE scheduler (writes.py), whose settlements come back, one `Set
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import zmq
 
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
+from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
-from ..protocol.order import failure_notice, write_order
+from ..protocol.order import done_notice, failure_notice, write_order
 from ..protocol.plan import TransferPlan, build_plan
 from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
-from ..protocol.sender import NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
+from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
-from .base import Endpoint, EndpointThread, SendResult, TransferHooks, TransportSource, checked_blocks
+from .base import (
+    Endpoint,
+    EndpointThread,
+    SendResult,
+    TransferHooks,
+    TransportSource,
+    checked_blocks,
+    stream_policy,
+    stream_table,
+)
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
 from .posting import DescWrite, PreparedWrite, WriteSpec
@@ -63,9 +74,13 @@ class PushThread(EndpointThread[SendResult]):
             config.leases.lease_s,
             config.leases.tombstone_s,
             config.limits.max_pending_per_peer,  # also caps the tombstones one engine's aborts leave
+            layout.num_layers,
+            stream_policy(config, layout),
         )
         self.prefill_done_at: dict[str, float] = {}
-        self.kv_written: dict[str, Callable[[], None]] = {}  # request -> the engine's barrier, until used
+        self.kv_written: dict[
+            str, list[Callable[[], None]]
+        ] = {}  # request -> the engine's barriers, until used
         self.staged: set[str] = set()  # requests whose source blocks the hooks staged already
         self.timeline: dict[str, dict[str, float]] = {}  # request -> TIMELINE marks so far
         # an abandoned WRITE may still read its source until write_linger_s after it was given up: the
@@ -78,7 +93,7 @@ class PushThread(EndpointThread[SendResult]):
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
         self.transport, self.hello = self.setup_transport()
-        port = self.config.side_channel.port + self.layout.tp_rank if self.config.side_channel.port else 0
+        port = self.config.side_channel.port + self.layout.rank if self.config.side_channel.port else 0
         try:
             listener = self.control.listen(
                 self.config.side_channel.host, port, self.config.limits.max_message_bytes
@@ -92,7 +107,8 @@ class PushThread(EndpointThread[SendResult]):
             self.config, self.layout, self.mem_type, self.codec, self.hello, self.transport, listener,
             self.ledger, self.state,
         )  # fmt: skip
-        build_plan(self.layout, self.layout, [0], [0], 1)  # warm numpy's paths off the first request
+        warm = [[0]] * self.layout.num_groups  # warm numpy's paths off the first request
+        build_plan(self.layout, self.layout, warm, warm, 1)
         self.scheduler = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
 
     def teardown(self) -> None:
@@ -164,7 +180,9 @@ class PushThread(EndpointThread[SendResult]):
         if isinstance(event, Admitted):
             reg = event.registration
             self.timeline.setdefault(reg.request_id, {}).setdefault("registered", event.at)
-            self._apply(self.state.on_registration(reg, event.at))
+            peer = self.conns.peers.get((reg.decode_engine_id, reg.decode_rank))
+            align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
+            self._apply(self.state.on_registration(reg, event.at, align))
         elif isinstance(event, DecodeAborted):
             self._apply(self.state.on_decode_abort(event.abort, time.monotonic()))
         else:
@@ -184,6 +202,8 @@ class PushThread(EndpointThread[SendResult]):
                     pending.extend(self._start_write(act))
                 elif isinstance(act, NotifyFailure):
                     self._notify_failure(act)
+                elif isinstance(act, NotifyDone):
+                    self._notify_done(act)
                 else:
                     self._release(act)
             if not self.scheduler.queues:
@@ -195,7 +215,9 @@ class PushThread(EndpointThread[SendResult]):
                 # should leave now rather than after the next loop round
                 pending.extend(self._settle(self.scheduler.progress(time.monotonic())))
             for a in self.scheduler.take_nudges():  # tell the decodes after the first poll: Posted
-                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.tp_rank)
+                if not a.notify:
+                    continue  # a range before the last: the decode has nothing to wait for yet
+                posted = Posted(request_id=a.request_id, attempt=a.attempt, prefill_rank=self.layout.rank)
                 if self.conns.send_to((a.decode_engine_id, a.decode_rank), posted):
                     self.ledger.add(Count.NUDGES)
             if not pending:
@@ -245,7 +267,8 @@ class PushThread(EndpointThread[SendResult]):
         self.ledger.add(Count(act.order))
         dest = (act.decode_engine_id, act.decode_rank)
         marks = self.timeline.setdefault(act.request_id, {})
-        marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
+        if act.notify:
+            marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
         marks.setdefault("registered", now)
         try:
             peer = self.conns.peers.get(dest)
@@ -286,8 +309,7 @@ class PushThread(EndpointThread[SendResult]):
     def _source_ready(self, act: StartWrite) -> None:
         """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
         (a device event, say) and let the backend stage the blocks; both run here, on the push thread."""
-        barrier = self.kv_written.pop(act.request_id, None)
-        if barrier is not None:
+        for barrier in self.kv_written.pop(act.request_id, ()):  # every range reported so far: all in order
             try:
                 barrier()
             except Exception as exc:  # a failed barrier fails this request, not the thread
@@ -298,6 +320,18 @@ class PushThread(EndpointThread[SendResult]):
             except Exception as exc:  # likewise: the request fails with the reason
                 raise TransportError(f"staging the source blocks failed: {exc!r}") from exc
             self.staged.add(act.request_id)
+
+    def _notify_done(self, act: NotifyDone) -> None:
+        """Every range landed and no WRITE carried the notification: it goes alone."""
+        dest = (act.decode_engine_id, act.decode_rank)
+        peer, session = self.conns.peers.get(dest), self.conns.session(dest)
+        try:
+            if peer is None or session is None:
+                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
+            notice = done_notice(act.request_id, act.attempt, self.layout.rank, act.nbytes, session)
+            self.transport.send_notif(peer.agent, notice)
+        except TransportError as exc:  # the decode's fence or liveness check ends its wait
+            log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
 
     def _notify_failure(self, act: NotifyFailure) -> None:
         dest = (act.decode_engine_id, act.decode_rank)
@@ -319,7 +353,7 @@ class PushThread(EndpointThread[SendResult]):
                 raise TransportError(
                     f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}"
                 )
-            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.tp_rank, session))
+            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
         except TransportError as exc:
             log.warning("kvpush prefill: %s", exc)
 
@@ -353,17 +387,34 @@ class PushThread(EndpointThread[SendResult]):
     def cmd_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         at: float,
         kv_written: Callable[[], None] | None,
         decode_engine_id: str = "",
     ) -> None:
         self.prefill_done_at[request_id] = at
+        self.timeline.setdefault(request_id, {})["prefill_done"] = at
         if kv_written is not None:
-            self.kv_written[request_id] = kv_written
+            self.kv_written.setdefault(request_id, []).append(kv_written)
         now = time.monotonic()
         self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, now, decode_engine_id))
+
+    def cmd_kv_ready(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        layers: tuple[int, int] | None,
+        kv_written: Callable[[], None] | None,
+        decode_engine_id: str,
+    ) -> None:
+        if kv_written is not None:
+            self.kv_written.setdefault(request_id, []).append(kv_written)
+        if self.hooks is not None:
+            return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
+        now = time.monotonic()
+        self._apply(self.state.on_kv_ready(request_id, block_ids, num_tokens, layers, now, decode_engine_id))
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
@@ -395,17 +446,18 @@ class PrefillEndpoint(Endpoint[SendResult]):
     @property
     def address(self) -> tuple[str, int]:
         """(host, base port): decode ranks reach rank r at base port + r."""
-        return self.config.side_channel.advertised, self._push.bound_port - self.layout.tp_rank
+        return self.config.side_channel.advertised, self._push.bound_port - self.layout.rank
 
     def prefill_done(
         self,
         request_id: str,
-        block_ids: Sequence[int],
+        block_ids: TableArg,
         num_tokens: int,
         kv_written: Callable[[], None] | None = None,
         decode_engine_id: str = "",
     ) -> None:
-        """The request's prompt KV is computed into block_ids; push it once decode has registered.
+        """The request's prompt KV is computed into block_ids (one table, or one per KV-cache group of
+        the layout; a window group's may hold -1 outside the window); push it once decode has registered.
 
         kv_written: optional barrier the push thread calls before reading the blocks (e.g. a CUDA event's
         synchronize, recorded by the engine on the stream that wrote the KV): the engine never waits.
@@ -417,6 +469,30 @@ class PrefillEndpoint(Endpoint[SendResult]):
         self._push.submit(
             lambda: self._push.cmd_prefill_done(
                 request_id, blocks, num_tokens, at, kv_written, decode_engine_id
+            )
+        )
+
+    def kv_ready(
+        self,
+        request_id: str,
+        block_ids: TableArg,
+        num_tokens: int,
+        layers: tuple[int, int] | None = None,
+        kv_written: Callable[[], None] | None = None,
+        decode_engine_id: str = "",
+    ) -> None:
+        """Streamed push: the first `num_tokens` tokens of layers [layers[0], layers[1]) (None: all) are
+        computed into block_ids (a prefix of the table prefill_done will give). Their WRITEs may start now;
+        prefill_done stays the terminal call. From the first kv_ready the blocks are the endpoint's until
+        its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
+        prefill_done; every barrier reported so far is called before a WRITE reads the blocks.
+        """
+        blocks = stream_table(self.layout, request_id, block_ids, num_tokens)
+        if layers is not None and not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
+            raise LayoutError(f"kv_ready {request_id!r}: layers {layers} outside 0..{self.layout.num_layers}")
+        self._push.submit(
+            lambda: self._push.cmd_kv_ready(
+                request_id, blocks, num_tokens, layers, kv_written, decode_engine_id
             )
         )
 

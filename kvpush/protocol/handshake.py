@@ -55,6 +55,11 @@ def layout_to_wire(layout: KVLayout) -> LayoutWire:
         planes=[(p.layer, p.kv, p.region, p.offset) for p in layout.planes],
         model_tag=layout.model_tag,
         atomic_blocks=layout.atomic_blocks,
+        layer_ids=list(layout.layer_ids),
+        layer_group=list(layout.layer_group),
+        group_window=list(layout.group_window),
+        pp_rank=layout.pp_rank,
+        pp_size=layout.pp_size,
     )
 
 
@@ -76,6 +81,11 @@ def layout_from_wire(w: LayoutWire) -> KVLayout:
         tuple(Plane(*p) for p in w.planes),
         w.model_tag,
         atomic_blocks=w.atomic_blocks,
+        layer_ids=tuple(w.layer_ids),
+        layer_group=tuple(w.layer_group),
+        group_window=tuple(w.group_window),
+        pp_rank=w.pp_rank,
+        pp_size=w.pp_size,
     )
 
 

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 TokenOrder = Literal["NHD", "HND"]
+MAX_GROUPS = 16  # KV-cache groups per layout (and block tables per registration)
+MAX_RANKS = 65536  # global ranks (PP x TP) the wire numbers
 IntOrArray = TypeVar("IntOrArray", int, "npt.NDArray[np.int64]")
 
 
@@ -107,7 +109,19 @@ class KVLayout:
     # (block-outermost: every layer's K and V of one block lie in one run, vLLM's cross-layer layouts).
     # A placed layout's kind is read from its planes (`kind`), so it survives the wire without a field.
     block_major: bool = False
+    # Layers, KV-cache groups, pipeline stages (all defaulted: one full-attention group over every layer).
+    # layer_ids: the model's global index of each local layer (a PP stage names its own; empty: 0..n-1).
+    layer_ids: tuple[int, ...] = ()
+    # layer_group: the KV-cache group of each local layer (empty: all group 0); group_window: per group,
+    # its sliding window in tokens (0: full attention; empty: one full-attention group). Every group
+    # shares block_size, num_blocks and the regions, as vLLM's hybrid manager lays them out.
+    layer_group: tuple[int, ...] = ()
+    group_window: tuple[int, ...] = ()
+    # this rank's pipeline stage: its global rank is pp_rank x tp_size + tp_rank (ports, notifications)
+    pp_rank: int = 0
+    pp_size: int = 1
     _plane_index: dict[tuple[int, int], Plane] = field(default_factory=dict, compare=False, repr=False)
+    _layer_index: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -125,6 +139,8 @@ class KVLayout:
         if self.token_order not in ("NHD", "HND"):
             raise LayoutError(f"token_order must be 'NHD' or 'HND', got {self.token_order!r}")
         heads_of_rank(self.tp_rank, self.tp_size, self.total_kv_heads)
+        self._check_layers_and_groups()
+        object.__setattr__(self, "_layer_index", {g: i for i, g in enumerate(self.layer_ids)})
         if self.block_stride == 0:
             per_block = self.num_layers * self.kv_per_layer if self.block_major else 1
             object.__setattr__(self, "block_stride", self.block_bytes * per_block)
@@ -145,6 +161,64 @@ class KVLayout:
 
         if self.block_major and self.planes and self.kind != "block-major":
             raise LayoutError("block_major layout whose planes are not block-major (see packed_planes)")
+
+    def _check_layers_and_groups(self) -> None:
+        n = self.num_layers
+        if self.layer_ids:
+            if len(self.layer_ids) != n:
+                raise LayoutError(f"layer_ids names {len(self.layer_ids)} layers; the layout has {n}")
+            if min(self.layer_ids) < 0 or len(set(self.layer_ids)) != n:
+                raise LayoutError(f"layer_ids must be distinct and >= 0, got {_span(self.layer_ids)}")
+        if self.layer_group and len(self.layer_group) != n:
+            raise LayoutError(f"layer_group names {len(self.layer_group)} layers; the layout has {n}")
+        if len(self.group_window) > MAX_GROUPS:
+            raise LayoutError(f"{len(self.group_window)} KV-cache groups; kvpush moves at most {MAX_GROUPS}")
+        if any(w < 0 for w in self.group_window):
+            raise LayoutError(f"group_window must be >= 0 (0: full attention), got {self.group_window}")
+        bad = [g for g in self.layer_group if not 0 <= g < self.num_groups]
+        if bad:
+            raise LayoutError(
+                f"layer_group names group {bad[0]}; the layout has {self.num_groups} KV-cache groups "
+                "(group_window gives one window per group)"
+            )
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise LayoutError(f"bad PP rank {self.pp_rank} of {self.pp_size}")
+        if self.pp_size * self.tp_size > MAX_RANKS:
+            raise LayoutError(
+                f"PP {self.pp_size} x TP {self.tp_size} ranks: the wire numbers at most {MAX_RANKS}"
+            )
+
+    # ---- layers, groups, stages -------------------------------------------------------------------
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """The model's layer index of each local layer."""
+        return self.layer_ids or tuple(range(self.num_layers))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_window) or 1
+
+    def group_of(self, layer: int) -> int:
+        """KV-cache group of local layer `layer`."""
+        return self.layer_group[layer] if self.layer_group else 0
+
+    def window(self, group: int) -> int:
+        """Sliding window of a group in tokens (0: full attention)."""
+        return self.group_window[group] if self.group_window else 0
+
+    def local_layer(self, global_layer: int) -> int:
+        """The local index of a model layer this rank holds (LayoutError if it holds none)."""
+        if not self.layer_ids:
+            if 0 <= global_layer < self.num_layers:
+                return global_layer
+        elif global_layer in self._layer_index:
+            return self._layer_index[global_layer]
+        raise LayoutError(f"layout holds no layer {global_layer} (it holds {_span(self.global_layers)})")
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank across pipeline stages: what ports and notifications are numbered by."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
     # ---- derived geometry -------------------------------------------------------------------------
     @property
@@ -226,6 +300,10 @@ class KVLayout:
             f"|dim={self.head_dim}|dtype={self.dtype_size}|order={self.token_order}|tag={self.model_tag}"
             + (f"|atomic-blocks={self.block_size}" if self.atomic_blocks else "")
             + ("|block-major" if self.kind == "block-major" else "")
+            + (f"|layers={','.join(map(str, self.layer_ids))}" if self.layer_ids else "")
+            + (f"|groups={','.join(map(str, self.layer_group))}" if self.layer_group else "")
+            + (f"|windows={','.join(map(str, self.group_window))}" if self.group_window else "")
+            + (f"|pp={self.pp_rank}/{self.pp_size}" if self.pp_size != 1 else "")
         )
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -248,6 +326,11 @@ class KVLayout:
             self.model_tag,
             atomic_blocks=self.atomic_blocks,
             block_major=self.block_major,
+            layer_ids=self.layer_ids,
+            layer_group=self.layer_group,
+            group_window=self.group_window,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
         )
 
 
@@ -292,10 +375,21 @@ def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLay
     return layout.with_memory((region,), planes)
 
 
+def _span(layers: Sequence[int]) -> str:
+    """Layer ids in words, ranges folded: (0, 1, 2, 3, 8) -> "0-3, 8"."""
+    out: list[str] = []
+    for _, run in itertools.groupby(enumerate(sorted(layers)), lambda p: p[1] - p[0]):
+        ids = [g for _, g in run]
+        out.append(str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}")
+    return ", ".join(out) if out else "none"
+
+
 def check_compatible(src: KVLayout, dst: KVLayout) -> None:
-    """Raise LayoutError naming the first difference that makes src -> dst impossible."""
+    """Raise LayoutError naming the first difference that makes src -> dst impossible.
+
+    src may be one pipeline stage: its layers must all be held by dst (which may hold more, written by the
+    other stages). KV-cache groups must match by count, window and membership of every shared layer."""
     for name in (
-        "num_layers",
         "kv_per_layer",
         "total_kv_heads",
         "head_dim",
@@ -308,6 +402,33 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise LayoutError(f"layout mismatch: prefill {name}={a!r} but decode {name}={b!r}")
+    if src.pp_size == 1 and src.num_layers != dst.num_layers:
+        raise LayoutError(
+            f"layout mismatch: prefill num_layers={src.num_layers!r} but decode num_layers={dst.num_layers!r}"
+        )
+    missing = set(src.global_layers) - set(dst.global_layers)
+    if missing:
+        stage = f"prefill stage {src.pp_rank} layers" if src.pp_size > 1 else "prefill layers"
+        raise LayoutError(
+            f"layout mismatch: {stage} {_span(src.global_layers)} not all held by the decode "
+            f"(it holds {_span(dst.global_layers)}; missing {_span(sorted(missing))})"
+        )
+    if src.num_groups != dst.num_groups:
+        raise LayoutError(
+            f"layout mismatch: prefill has {src.num_groups} KV-cache groups, decode {dst.num_groups}"
+        )
+    for g in range(src.num_groups):
+        if src.window(g) != dst.window(g):
+            raise LayoutError(
+                f"layout mismatch: KV-cache group {g} sliding window {_window(src.window(g))} (prefill) vs "
+                f"{_window(dst.window(g))} (decode)"
+            )
+    for i, layer in enumerate(src.global_layers):
+        a, b = src.group_of(i), dst.group_of(dst.local_layer(layer))
+        if a != b:
+            raise LayoutError(
+                f"layout mismatch: layer {layer} is in KV-cache group {a} on prefill, {b} on decode"
+            )
     if src.atomic_blocks and src.block_size != dst.block_size:
         raise LayoutError(
             f"layout mismatch: blocks are opaque (moved whole) but prefill block_size="
@@ -318,3 +439,7 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
         raise LayoutError(
             f"block sizes {src.block_size} (prefill) and {dst.block_size} (decode): one must divide the other"
         )
+
+
+def _window(tokens: int) -> str:
+    return f"window {tokens}" if tokens else "none (full attention)"

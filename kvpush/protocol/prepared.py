@@ -21,15 +21,17 @@ stay inside the request's own last source and destination blocks, past the token
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import LayoutError
-from .layout import KVLayout, blocks_for, check_block_table, check_compatible
+from .groups import TableArg, as_block_ids, check_group_tables
+from .layout import KVLayout, blocks_for, check_compatible
+from .plan import group_tokens
 
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
@@ -67,8 +69,9 @@ class PairUnits:
     chunk: int  # tokens per unit
     unit_bytes: int  # bytes per unit
     s: SideUnits
-    d: SideUnits
-    plane_layer: I64  # layer of each plane, (layer, kv) order
+    d: SideUnits  # its plane_base is indexed by src's planes: each src plane's dst plane (PP, layer ids)
+    plane_layer: I64  # src's local layer of each src plane, (layer, kv) order
+    plane_group: I64  # KV-cache group of each src plane
 
     @property
     def mergeable(self) -> bool:
@@ -196,19 +199,17 @@ def pair_units(src: KVLayout, dst: KVLayout, heads: tuple[int, int] | None = Non
             f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
         )
     mode, chunk, unit = _mode(src, dst, heads)
-    layer = np.asarray(
-        [layer for layer in range(src.num_layers) for _ in range(src.kv_per_layer)], dtype=np.int64
+    kvs = range(src.kv_per_layer)
+    layer = np.asarray([layer for layer in range(src.num_layers) for _ in kvs], dtype=np.int64)
+    group = np.asarray([src.group_of(layer) for layer in range(src.num_layers) for _ in kvs], dtype=np.int64)
+    d = _side(dst, mode, chunk, unit, heads)
+    # dst plane (its (layer, kv) order) of each src plane: the same model layer, whatever its local index
+    to_dst = np.asarray(
+        [dst.local_layer(g) * dst.kv_per_layer + kv for g in src.global_layers for kv in kvs], dtype=np.int64
     )
+    d = dataclasses.replace(d, plane_base=d.plane_base[to_dst])
     return PairUnits(
-        src,
-        dst,
-        heads,
-        mode,
-        chunk,
-        unit,
-        _side(src, mode, chunk, unit, heads),
-        _side(dst, mode, chunk, unit, heads),
-        layer,
+        src, dst, heads, mode, chunk, unit, _side(src, mode, chunk, unit, heads), d, layer, group
     )
 
 
@@ -228,61 +229,94 @@ def _piece_index(
     return blk * side.blk_mult + slot * side.slot_mult
 
 
-def build_index_plan(
-    pair: PairUnits,
-    src_blocks: Sequence[int],
-    dst_blocks: Sequence[int],
-    num_tokens: int,
-    layers: range | None = None,
-) -> IndexPlan:
-    """The first `num_tokens` tokens of src's blocks onto dst's blocks, as prepared-list indices.
-
-    `layers` restricts the plan to a layer range (a later layer-streamed push posts one per group).
-    """
+def _group_pieces(
+    pair: PairUnits, g: int, s_tab: I64, d_tab: I64, tokens: tuple[int, int]
+) -> tuple[I64, I64]:
+    """Per-plane unit indices (src, dst) of group g's tokens [t0, t1), t0 rounded down to a unit (a unit
+    never crosses a block of either side, so the extra tokens stay inside a block the window needs)."""
     src, dst = pair.src, pair.dst
-    if num_tokens <= 0:
-        raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
-    num_tokens = src.tokens_to_move(num_tokens)
-    n_src = blocks_for(num_tokens, src.block_size)
-    s_tab = np.asarray(check_block_table(src, src_blocks, num_tokens, "prefill"), dtype=np.int64)
-    d_tab = np.asarray(check_block_table(dst, dst_blocks, num_tokens, "decode"), dtype=np.int64)
     g0, g1 = pair.heads
+    t0, t1 = tokens
+    t0 -= t0 % pair.chunk
     if pair.mode == "hnd":
-        starts = np.arange(0, num_tokens, pair.chunk, dtype=np.int64)
+        starts = np.arange(t0, t1, pair.chunk, dtype=np.int64)
         nh = g1 - g0
         tok = np.repeat(starts, nh)
         head = np.tile(np.arange(g0, g1, dtype=np.int64), starts.shape[0])
     else:
-        tok = np.arange(0, num_tokens, pair.chunk, dtype=np.int64)
+        tok = np.arange(t0, t1, pair.chunk, dtype=np.int64)
         head = tok  # unused outside "hnd"
     s_p = _piece_index(src, pair.s, pair.mode, pair.chunk, s_tab, tok, head)
     d_p = _piece_index(dst, pair.d, pair.mode, pair.chunk, d_tab, tok, head)
     if s_p.shape[0] > 1 and not bool(np.all(s_p[1:] > s_p[:-1])):
         order = np.argsort(s_p, kind="stable")  # ascending source: runs become consecutive indices
         s_p, d_p = s_p[order], d_p[order]
-    planes = np.arange(pair.plane_layer.shape[0])
+    return s_p, d_p
+
+
+def build_index_plan(
+    pair: PairUnits,
+    src_blocks: TableArg,
+    dst_blocks: TableArg,
+    num_tokens: int,
+    layers: range | None = None,
+) -> IndexPlan:
+    """The first `num_tokens` tokens of src's blocks onto dst's blocks, as prepared-list indices: per
+    KV-cache group through its own tables, only the window's tokens (as `build_plan`).
+
+    `layers` restricts the plan to a layer range (a later layer-streamed push posts one per group).
+    """
+    src, dst = pair.src, pair.dst
+    if num_tokens <= 0:
+        raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
+    s_tabs = check_group_tables(src, as_block_ids(src_blocks), num_tokens, "prefill")
+    d_tabs = check_group_tables(dst, as_block_ids(dst_blocks), num_tokens, "decode")
+    moved = src.tokens_to_move(num_tokens)
+    n_src = blocks_for(moved, src.block_size)
+    g0, g1 = pair.heads
+    all_planes = np.arange(pair.plane_layer.shape[0])
     if layers is not None:
         if layers.start < 0 or layers.stop > src.num_layers:
             raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
-        planes = planes[(pair.plane_layer >= layers.start) & (pair.plane_layer < layers.stop)]
-    s_base, d_base = pair.s.plane_base[planes], pair.d.plane_base[planes]
-    if pair.s.block_outer:  # block-major: piece outer, planes inner, so one block's planes are adjacent
-        s_idx = (s_p[:, None] + s_base[None, :]).ravel()
-        d_idx = (d_p[:, None] + d_base[None, :]).ravel()
-        if pair.s.slots > 1:  # several units per plane in a block: memory order is block, plane, slot
-            order = np.argsort(s_idx, kind="stable")
-            s_idx, d_idx = s_idx[order], d_idx[order]
-    else:
-        order = np.argsort(s_base, kind="stable")
-        s_base, d_base = s_base[order], d_base[order]
-        s_idx = (s_base[:, None] + s_p[None, :]).ravel()
-        d_idx = (d_base[:, None] + d_p[None, :]).ravel()
+        all_planes = all_planes[(pair.plane_layer >= layers.start) & (pair.plane_layer < layers.stop)]
+    s_parts: list[I64] = []
+    d_parts: list[I64] = []
+    exact = 0
+    for g in range(src.num_groups):
+        planes = all_planes[pair.plane_group[all_planes] == g] if src.num_groups > 1 else all_planes
+        if planes.shape[0] == 0:
+            continue
+        tokens = group_tokens(src, g, num_tokens)
+        exact += (tokens[1] - tokens[0]) * (g1 - g0) * src.unit_bytes * int(planes.shape[0])
+        s_tab = np.asarray(s_tabs[g], dtype=np.int64)
+        d_tab = np.asarray(d_tabs[g], dtype=np.int64)
+        s_p, d_p = _group_pieces(pair, g, s_tab, d_tab, tokens)
+        s_base, d_base = pair.s.plane_base[planes], pair.d.plane_base[planes]
+        if pair.s.block_outer:  # block-major: piece outer, planes inner, so one block's planes are adjacent
+            s_idx = (s_p[:, None] + s_base[None, :]).ravel()
+            d_idx = (d_p[:, None] + d_base[None, :]).ravel()
+            if pair.s.slots > 1:  # several units per plane in a block: memory order is block, plane, slot
+                order = np.argsort(s_idx, kind="stable")
+                s_idx, d_idx = s_idx[order], d_idx[order]
+        else:
+            order = np.argsort(s_base, kind="stable")
+            s_base, d_base = s_base[order], d_base[order]
+            s_idx = (s_base[:, None] + s_p[None, :]).ravel()
+            d_idx = (d_base[:, None] + d_p[None, :]).ravel()
+        s_parts.append(s_idx)
+        d_parts.append(d_idx)
+    if len(s_parts) == 1:
+        s_idx, d_idx = s_parts[0], d_parts[0]
+    else:  # several groups: their planes interleave in memory; ascending source order lets runs merge
+        s_idx = np.concatenate(s_parts) if s_parts else np.zeros(0, dtype=np.int64)
+        d_idx = np.concatenate(d_parts) if d_parts else np.zeros(0, dtype=np.int64)
+        order = np.argsort(s_idx, kind="stable")
+        s_idx, d_idx = s_idx[order], d_idx[order]
     if pair.mergeable and s_idx.shape[0] > 1:
         breaks = np.count_nonzero((s_idx[1:] != s_idx[:-1] + 1) | (d_idx[1:] != d_idx[:-1] + 1))
         n_desc = int(breaks) + 1
     else:
         n_desc = int(s_idx.shape[0])
-    exact = num_tokens * (g1 - g0) * src.unit_bytes * int(planes.shape[0])
     return IndexPlan(
-        s_idx.astype(np.int32), d_idx.astype(np.int32), pair.unit_bytes, n_desc, num_tokens, n_src, exact
+        s_idx.astype(np.int32), d_idx.astype(np.int32), pair.unit_bytes, n_desc, moved, n_src, exact
     )

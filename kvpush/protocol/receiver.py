@@ -21,9 +21,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .groups import BlockIds, flat_ids
 from .reasons import Failure
 from .table import IGNORE, Ignore, transition
-from .tp import senders_for
+from .tp import stage_senders
 from .wire import Abort, Registration, TransferDone, TransferFailed
 
 
@@ -44,7 +45,7 @@ class SendAbort:
 class Ready:
     request_id: str
     attempt: int
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     nbytes: int
 
 
@@ -52,7 +53,7 @@ class Ready:
 class Failed:
     request_id: str
     attempt: int
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     reason: str
     kind: Failure = field(default=Failure.REMOTE, compare=False)
 
@@ -130,7 +131,7 @@ def receiver_transition(state: PrefillRankState, event: RecvEvent) -> PrefillRan
 class _Attempt:
     request_id: str
     attempt: int
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     deadline: float  # ready deadline, and the registrations' expiry
     fence_at: float  # no WRITE of this attempt can land from here on
     senders: dict[int, PrefillRankState]  # owed prefill rank -> its state
@@ -212,9 +213,17 @@ class ReceiverState:
         return sum(1 for a in self._live.values() if a.phase is RecvPhase.WAITING)
 
     def expect(
-        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, prefill_tp: int, now: float
+        self,
+        request_id: str,
+        block_ids: BlockIds,
+        num_tokens: int,
+        prefill_tp: int,
+        now: float,
+        prefill_pp: int = 1,
     ) -> list[ReceiverAction]:
-        """Blocks are allocated for request_id; register them with the prefill ranks that owe them."""
+        """Blocks are allocated for request_id (one table, or one per KV-cache group); register them with
+        the prefill ranks that owe them: with prefill_pp stages, every stage's ranks (numbered globally,
+        stage x prefill_tp + TP rank), so the attempt is Ready only once every stage's layers landed."""
         # A live earlier attempt is superseded; its Abort goes out after the new registration, so each
         # prefill rank sees the newer attempt first and takes the abort as one of a superseded attempt.
         # Sent first, it ended the whole request there and the new registration was refused (issue 21:
@@ -227,7 +236,7 @@ class ReceiverState:
             )
         attempt = self._new_attempt_number(request_id)
         self._current[request_id] = attempt
-        senders = senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads)
+        senders = stage_senders(self.rank, self.tp, prefill_tp, prefill_pp, self.total_kv_heads)
         deadline = now + self.ready_timeout_s
         att = _Attempt(
             request_id,
@@ -238,15 +247,17 @@ class ReceiverState:
             dict.fromkeys(senders, PrefillRankState.EXPECTED),
         )
         self._live[(request_id, attempt)] = att
+        ids, sizes = flat_ids(block_ids)
         reg = Registration(
             request_id=request_id,
             attempt=attempt,
             decode_engine_id=self.engine_id,
             decode_rank=self.rank,
             decode_tp=self.tp,
-            block_ids=list(block_ids),
+            block_ids=list(ids),
             num_tokens=num_tokens,
             expires_at=deadline,  # in this side's clock; the endpoint converts it for each prefill
+            group_sizes=list(sizes),
         )
         registrations: list[ReceiverAction] = [SendRegistration(p, reg) for p in sorted(senders)]
         return registrations + superseded + self._settle(att)
@@ -323,7 +334,9 @@ class ReceiverState:
             return [Discarded(f"abort of unknown request {request_id!r}")]
         return self._end(att, reason, now, Failure.ABORTED) + self._settle(att)
 
-    def cancel(self, request_id: str, prefill_tp: int, reason: str, now: float) -> list[ReceiverAction]:
+    def cancel(
+        self, request_id: str, prefill_tp: int, reason: str, now: float, prefill_pp: int = 1
+    ) -> list[ReceiverAction]:
         """Abort whether or not expect() ran. A request dropped before its blocks were allocated still
         tells the prefill ranks that would have owed it, so prefill frees its blocks now, not at lease
         expiry."""
@@ -338,7 +351,7 @@ class ReceiverState:
         )
         return [
             SendAbort(p, msg)
-            for p in sorted(senders_for(self.rank, self.tp, prefill_tp, self.total_kv_heads))
+            for p in sorted(stage_senders(self.rank, self.tp, prefill_tp, prefill_pp, self.total_kv_heads))
         ]
 
     def on_tick(self, now: float) -> list[ReceiverAction]:

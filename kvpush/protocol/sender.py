@@ -24,109 +24,29 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass, field
-
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
+from .groups import BlockIds, single_table
+from .ranges import StreamPolicy
 from .reasons import Failure
 from .sender_actions import EventOrder as EventOrder
+from .sender_actions import NotifyDone as NotifyDone
 from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
-from .table import IGNORE, Ignore, transition
+from .sender_stream import RangePosting
+from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
+from .sender_table import DecodeRankState as DecodeRankState
+from .sender_table import Entry, Rank, Trouble, refusal
+from .sender_table import RankEvent as RankEvent
+from .sender_table import SendPhase as SendPhase
+from .sender_table import sender_transition as sender_transition
+from .table import IGNORE as IGNORE
 from .tp import HeadRange, receivers_for, senders_for
 from .wire import Abort, Registration
 
 
-def _refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> NotifyFailure:
-    """The answer to a registration that will not be written."""
-    return NotifyFailure(
-        reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, reason, kind=kind
-    )
-
-
-class SendPhase(enum.Enum):
-    OPEN = "open"  # collecting registrations / prefill done, writing
-    ENDING = "ending"  # failed or aborted: waits for in-flight WRITEs, then releases
-
-
-class DecodeRankState(enum.Enum):
-    """Where one owed decode rank stands in the current attempt."""
-
-    OWED = "owed"  # this prefill rank holds heads the decode rank needs; no registration yet
-    REGISTERED = "registered"  # its registration is here; waiting for prefill_done
-    WRITING = "writing"  # a WRITE into its blocks is in flight
-    DONE = "done"  # its WRITE completed
-    FAILED = "failed"  # it was told (or will be told) that we will not write
-
-
-class RankEvent(enum.Enum):
-    REGISTER = "register"  # a registration for this rank arrived
-    START = "start"  # registration and prefill_done are both here: post the WRITE
-    WRITE_OK = "write_ok"
-    WRITE_FAILED = "write_failed"
-    REFUSE = "refuse"  # the registration cannot be served (token count mismatch)
-    END = "end"  # the request is ending (abort, lease, another rank's failure)
-
-
-S, E = DecodeRankState, RankEvent
-SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ignore] = {
-    (S.OWED, E.REGISTER): S.REGISTERED,
-    (S.OWED, E.END): S.FAILED,
-    (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
-    (S.REGISTERED, E.START): S.WRITING,
-    (S.REGISTERED, E.REFUSE): S.FAILED,
-    (S.REGISTERED, E.END): S.FAILED,
-    (S.WRITING, E.REGISTER): IGNORE,
-    (S.WRITING, E.WRITE_OK): S.DONE,
-    (S.WRITING, E.WRITE_FAILED): S.FAILED,
-    (S.WRITING, E.END): IGNORE,  # the WRITE in flight must settle before anything is freed
-    (S.DONE, E.REGISTER): IGNORE,
-    (S.DONE, E.END): IGNORE,
-    (S.FAILED, E.REGISTER): IGNORE,
-    (S.FAILED, E.END): IGNORE,
-}
-del S, E
-
-
-def sender_transition(state: DecodeRankState, event: RankEvent) -> DecodeRankState:
-    """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
-    return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
-
-
-@dataclass
-class _Rank:
-    heads: HeadRange
-    state: DecodeRankState = DecodeRankState.OWED
-    reg: Registration | None = None
-
-
-@dataclass
-class _Entry:
-    request_id: str
-    deadline: float
-    created_by: EventOrder
-    phase: SendPhase = SendPhase.OPEN
-    reason: str = ""
-    kind: Failure = Failure.ABORTED
-    src_blocks: tuple[int, ...] | None = None
-    num_tokens: int = 0
-    attempt: int = -1
-    decode_engine_id: str = ""
-    owner: str = NO_OWNER  # the only decode engine that may act on it (claims.py)
-    decode_tp: int = 0
-    ranks: dict[int, _Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
-    stale_in_flight: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank) of superseded WRITEs
-    nbytes: int = 0
-
-    def writing(self) -> bool:
-        return bool(self.stale_in_flight) or any(
-            r.state is DecodeRankState.WRITING for r in self.ranks.values()
-        )
-
-
-class SenderState:
+class SenderState(RangePosting):
     """One prefill rank's view of every request it may push."""
 
     def __init__(
@@ -137,13 +57,17 @@ class SenderState:
         lease_s: float,
         tombstone_s: float,
         abort_tombstones_per_engine: int = 4096,
+        num_layers: int = 1,
+        stream: StreamPolicy | None = None,
     ) -> None:
         self.rank = prefill_rank
         self.tp = prefill_tp
         self.total_kv_heads = total_kv_heads
         self.lease_s = lease_s
         self.tombstone_s = tombstone_s
-        self._entries: dict[str, _Entry] = {}
+        self.num_layers = num_layers
+        self.stream = stream if stream is not None else StreamPolicy()
+        self._entries: dict[str, Entry] = {}
         self._tombstones = Tombstones(tombstone_s, abort_tombstones_per_engine)
 
     # ---- queries ----------------------------------------------------------------------------------
@@ -159,27 +83,28 @@ class SenderState:
         return {} if entry is None else {d: r.state for d, r in entry.ranks.items()}
 
     # ---- events -----------------------------------------------------------------------------------
-    def on_registration(self, reg: Registration, now: float) -> list[SenderAction]:
+    def on_registration(self, reg: Registration, now: float, align: int = 1) -> list[SenderAction]:
+        """`align`: streamed ranges into this rank start on multiples of it (the lcm of both block sizes)."""
         fail = self._refuse_registration(reg)
         if fail:
-            return [_refusal(reg, fail)]
+            return [refusal(reg, fail)]
         # An expired registration is refused only where it would be newly accepted: a late duplicate of
         # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
         late = "registration arrived after its expiry: not written"
-        expired: list[SenderAction] = [_refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
+        expired: list[SenderAction] = [refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
         tomb = self._tombstones.get(reg.request_id)
         entry = self._entries.get(reg.request_id)
         owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
         if foreign(owner, reg.decode_engine_id):
-            return [_refusal(reg, claimed_by_other(reg.request_id))]
+            return [refusal(reg, claimed_by_other(reg.request_id))]
         if entry is None and tomb is not None:
             if reg.attempt <= tomb.attempt:
                 return []  # a late duplicate of something already finished
-            return [_refusal(reg, "source KV already released (request finished on prefill)")]
+            return [refusal(reg, "source KV already released (request finished on prefill)")]
         if entry is None:
             if expired:
                 return expired
-            entry = self._entries[reg.request_id] = _Entry(
+            entry = self._entries[reg.request_id] = Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
         if entry.phase is SendPhase.OPEN:
@@ -190,7 +115,7 @@ class SenderState:
                 return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
             if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
                 return []
-            return [_refusal(reg, entry.reason, entry.kind)]
+            return [refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
         if reg.attempt > entry.attempt:
@@ -208,19 +133,19 @@ class SenderState:
         if rank is None or reg.decode_tp != entry.decode_tp:
             why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                _refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
+                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
             ]
         if rank.state is DecodeRankState.OWED:
             if expired:
                 return expired
-            rank.reg = reg
+            rank.reg, rank.align = reg, align
         self._move(rank, RankEvent.REGISTER)
         return self._advance(entry, now)
 
     def on_prefill_done(
         self,
         request_id: str,
-        block_ids: tuple[int, ...],
+        block_ids: BlockIds,
         num_tokens: int,
         now: float,
         decode_engine_id: str = NO_OWNER,
@@ -236,7 +161,7 @@ class SenderState:
             self._tombstones.forget(request_id)  # another engine's word about a request not its own
         entry = self._entries.get(request_id)
         if entry is None:
-            entry = self._entries[request_id] = _Entry(
+            entry = self._entries[request_id] = Entry(
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
         if entry.src_blocks is not None:
@@ -249,6 +174,52 @@ class SenderState:
             entry.owner = decode_engine_id
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
+            entry.deadline = now + self.lease_s
+        flat = single_table(block_ids)
+        if entry.ready_blocks is not None and (
+            flat is None or flat[: len(entry.ready_blocks)] != entry.ready_blocks
+        ):
+            actions += self._end(
+                entry, "prefill_done's block table does not extend kv_ready's", Failure.REFUSED
+            )
+        return actions + self._advance(entry, now)
+
+    def on_kv_ready(
+        self,
+        request_id: str,
+        block_ids: tuple[int, ...],
+        num_tokens: int,
+        layers: tuple[int, int] | None,
+        now: float,
+        decode_engine_id: str = NO_OWNER,
+    ) -> list[SenderAction]:
+        """Streamed push: the first `num_tokens` tokens of `layers` (None: all) are computed into
+        `block_ids` (a prefix of prefill_done's table). Ready ranges are posted as the policy allows;
+        from here the engine gives its blocks back only through a SendResult (after prefill_done or its
+        own abort), once every WRITE from them settled."""
+        if request_id not in self._entries and request_id in self._tombstones:
+            return []  # finished or aborted already: prefill_done (if it comes) answers
+        entry = self._entries.get(request_id)
+        if entry is None:
+            entry = self._entries[request_id] = Entry(
+                request_id, now + self.lease_s, created_by="prefill_first"
+            )
+        if entry.src_blocks is not None:
+            return []  # prefill_done said it all
+        old = entry.ready_blocks
+        if old is not None and (len(block_ids) < len(old) or block_ids[: len(old)] != old):
+            why = "kv_ready's block table does not extend the one reported before"
+            return self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
+        entry.ready_blocks = block_ids
+        ready = entry.ready = entry.ready or [0] * self.num_layers
+        for layer in range(*(layers or (0, self.num_layers))):
+            ready[layer] = max(ready[layer], num_tokens)
+        actions: list[SenderAction] = []
+        if entry.phase is SendPhase.OPEN:
+            if decode_engine_id:
+                if foreign(entry.owner, decode_engine_id):
+                    actions += self._drop_claim(entry)
+                entry.owner = decode_engine_id
             entry.deadline = now + self.lease_s
         return actions + self._advance(entry, now)
 
@@ -270,22 +241,48 @@ class SenderState:
         if entry is None:
             return []
         why = f"WRITE failed: {reason}"
-        told = NotifyFailure(request_id, attempt, entry.decode_engine_id, decode_rank, why, abandoned, kind)
-        if (attempt, decode_rank) in entry.stale_in_flight:
-            entry.stale_in_flight.discard((attempt, decode_rank))  # a superseded attempt's WRITE settled
-            # if it failed, the decode's superseded attempt waits on it: say so
-            return ([] if ok else [told]) + self._advance(entry, now)
+        stale = entry.stale_in_flight.get((attempt, decode_rank))
+        if stale is not None:  # a superseded attempt's WRITE settled
+            stale.count -= 1
+            if not ok:
+                stale.trouble = stale.trouble or Trouble(why, kind)
+                stale.trouble.abandoned |= abandoned
+            if stale.count:
+                return []
+            del entry.stale_in_flight[(attempt, decode_rank)]
+            # the decode's superseded attempt waits for a word: its last WRITE's notification, or this
+            told: list[SenderAction] = []
+            if stale.trouble is not None or not stale.final:
+                trouble = stale.trouble or Trouble("superseded by a newer attempt", Failure.SUPERSEDED)
+                told = [self._told(request_id, attempt, stale.engine, decode_rank, trouble)]
+            return told + self._advance(entry, now)
         rank = entry.ranks.get(decode_rank)
         if attempt != entry.attempt or rank is None or rank.state is not DecodeRankState.WRITING:
             return []  # not a WRITE this machine started: the edge reported something twice
+        rank.inflight -= 1
         actions: list[SenderAction] = []
         if ok:
-            self._move(rank, RankEvent.WRITE_OK)
+            rank.landed += nbytes
             entry.nbytes += nbytes
         else:
+            rank.trouble = rank.trouble or Trouble(why, kind)
+            rank.trouble.abandoned |= abandoned
+        ending = f"WRITE to decode rank {decode_rank} failed: {reason}"
+        if rank.inflight:
+            self._move(rank, RankEvent.SETTLED)
+        elif rank.trouble is not None or (entry.phase is SendPhase.ENDING and not (ok and rank.final_posted)):
+            trouble = rank.trouble or Trouble(entry.reason, entry.kind)
             self._move(rank, RankEvent.WRITE_FAILED)
-            actions.append(told)
-            actions += self._end(entry, f"WRITE to decode rank {decode_rank} failed: {reason}", kind)
+            actions.append(self._told(request_id, attempt, entry.decode_engine_id, decode_rank, trouble))
+        elif rank.final_posted:
+            self._move(rank, RankEvent.WRITE_OK)
+        elif self._complete(entry, rank):
+            self._move(rank, RankEvent.WRITE_OK)
+            actions.append(NotifyDone(request_id, attempt, entry.decode_engine_id, decode_rank, rank.landed))
+        else:
+            self._move(rank, RankEvent.PART_OK)
+        if not ok:
+            actions += self._end(entry, ending, kind)
         return actions + self._advance(entry, now)
 
     def abort(
@@ -295,6 +292,7 @@ class SenderState:
         if entry is None:
             self._tombstones.prefill_aborted(request_id, now)
             return []
+        entry.engine_abort = True
         return self._end(entry, reason, kind) + self._advance(entry, now)
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
@@ -343,7 +341,12 @@ class SenderState:
                 else:
                     why = f"lease expired: no registration from decode within {self.lease_s}s"
                 actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
-            elif entry.phase is SendPhase.ENDING and entry.src_blocks is None and now >= entry.deadline:
+            elif (
+                entry.phase is SendPhase.ENDING
+                and entry.src_blocks is None
+                and now >= entry.deadline
+                and not entry.writing()
+            ):
                 self._finish(entry, now)  # waited long enough for a prefill_done that never came
         self._tombstones.expire(now)
         return actions
@@ -354,13 +357,13 @@ class SenderState:
             e.decode_engine_id == decode_engine_id
             and (
                 any(d == decode_rank for _a, d in e.stale_in_flight)
-                or (decode_rank in e.ranks and e.ranks[decode_rank].state is DecodeRankState.WRITING)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].inflight > 0)
             )
             for e in self._entries.values()
         )
 
     # ---- internals --------------------------------------------------------------------------------
-    def _expire_registrations(self, entry: _Entry, now: float) -> list[SenderAction]:
+    def _expire_registrations(self, entry: Entry, now: float) -> list[SenderAction]:
         """A registration whose expiry passed before its WRITE could start can never be served."""
         for d, rank in sorted(entry.ranks.items()):
             if (
@@ -379,24 +382,18 @@ class SenderState:
                 ]
         return []
 
-    @staticmethod
-    def _move(rank: _Rank, event: RankEvent) -> None:
-        rank.state = sender_transition(rank.state, event)
-
     def _new_attempt(
-        self, entry: _Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
+        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
     ) -> None:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
-        entry.stale_in_flight |= {
-            (entry.attempt, d) for d, r in entry.ranks.items() if r.state is DecodeRankState.WRITING
-        }
+        self._fence_in_flight(entry, None)
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
-        entry.ranks = {d: _Rank(heads) for d, heads in owed.items()}
+        entry.ranks = {d: Rank(heads) for d, heads in owed.items()}
         entry.nbytes = 0
 
-    def _drop_claim(self, entry: _Entry) -> list[SenderAction]:
+    def _drop_claim(self, entry: Entry) -> list[SenderAction]:
         """Another engine registered before the prefill engine named the owner: that engine is told and its
-        claim forgotten (nothing of it was written: there was no source yet)."""
+        claim forgotten (streamed ranges already in flight to it are told once they settled)."""
         told: list[SenderAction] = [
             NotifyFailure(
                 entry.request_id,
@@ -409,6 +406,7 @@ class SenderState:
             for d, rank in sorted(entry.ranks.items())
             if rank.state is DecodeRankState.REGISTERED
         ]
+        self._fence_in_flight(entry, Trouble(claimed_by_other(entry.request_id), Failure.REFUSED))
         entry.attempt, entry.decode_engine_id, entry.decode_tp, entry.ranks = -1, "", 0, {}
         return told
 
@@ -424,7 +422,7 @@ class SenderState:
             )
         return ""
 
-    def _end(self, entry: _Entry, reason: str, kind: Failure) -> list[SenderAction]:
+    def _end(self, entry: Entry, reason: str, kind: Failure) -> list[SenderAction]:
         """The request will write nothing more: registered ranks are told, owed ones just close."""
         if entry.phase is SendPhase.ENDING:
             return []
@@ -441,43 +439,19 @@ class SenderState:
                 )
         return actions
 
-    def _advance(self, entry: _Entry, now: float) -> list[SenderAction]:
+    def _advance(self, entry: Entry, now: float) -> list[SenderAction]:
         """Start what can start, then release the source once nothing can still read it.
 
         Recurses at most once: `_expire_registrations` ends the entry (phase ENDING) before it calls back
         here, and an ENDING entry expires nothing, so the inner call cannot recurse again."""
         actions: list[SenderAction] = []
-        if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
+        something = entry.src_blocks is not None or entry.ready is not None
+        if entry.phase is SendPhase.OPEN and something:
             expired = self._expire_registrations(entry, now)
             if expired:
                 return expired  # it ended the entry and advanced it already
-        if entry.phase is SendPhase.OPEN and entry.src_blocks is not None:
-            for d, rank in sorted(entry.ranks.items()):
-                if rank.state is not DecodeRankState.REGISTERED:
-                    continue
-                reg = rank.reg
-                assert reg is not None  # REGISTERED always holds its registration
-                if reg.num_tokens > entry.num_tokens:
-                    self._move(rank, RankEvent.REFUSE)
-                    why = f"decode expects {reg.num_tokens} tokens but prefill computed {entry.num_tokens}"
-                    actions.append(_refusal(reg, why))
-                    actions += self._end(entry, "token count mismatch", Failure.REFUSED)
-                    break
-                self._move(rank, RankEvent.START)
-                actions.append(
-                    StartWrite(
-                        entry.request_id,
-                        reg.attempt,
-                        reg.decode_engine_id,
-                        d,
-                        reg.decode_tp,
-                        entry.src_blocks,
-                        tuple(reg.block_ids),
-                        reg.num_tokens,
-                        rank.heads,
-                        entry.created_by,
-                    )
-                )
+        if entry.phase is SendPhase.OPEN and something:
+            actions += self._post_ranges(entry, now)
         if entry.writing():
             return actions
         states = {r.state for r in entry.ranks.values()}
@@ -485,16 +459,20 @@ class SenderState:
             assert entry.src_blocks is not None  # DONE ranks were written from it
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)
-        elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
-            actions.append(
-                ReleaseSource(
-                    entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason, entry.kind
-                )
+        elif entry.phase is SendPhase.ENDING:
+            blocks = (
+                entry.src_blocks
+                if entry.src_blocks is not None or not entry.engine_abort
+                else entry.ready_blocks
             )
-            self._finish(entry, None)
+            if blocks is not None:
+                actions.append(
+                    ReleaseSource(entry.request_id, blocks, False, entry.nbytes, entry.reason, entry.kind)
+                )
+                self._finish(entry, None)
         return actions
 
-    def _finish(self, entry: _Entry, now: float | None) -> None:
+    def _finish(self, entry: Entry, now: float | None) -> None:
         del self._entries[entry.request_id]
         expiry = (now if now is not None else entry.deadline) + self.tombstone_s
         self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .groups import BlockIds
 from .reasons import Failure
 from .tp import HeadRange
 
@@ -19,11 +20,18 @@ class StartWrite:
     decode_engine_id: str
     decode_rank: int
     decode_tp: int
-    src_blocks: tuple[int, ...]
-    dst_blocks: tuple[int, ...]
+    src_blocks: BlockIds
+    dst_blocks: BlockIds
     num_tokens: int
     heads: HeadRange
     order: EventOrder = "registration_first"  # which event arrived first (the edge counts both)
+    # Streamed push: this WRITE moves tokens [token_start, num_tokens) of `layers` (None: all layers).
+    # `notify`: it carries the decode rank's TransferDone, whose byte count adds `landed` (bytes of this
+    # rank's earlier ranges, already landed); a WRITE of a range before the last carries nothing.
+    token_start: int = 0
+    layers: tuple[int, int] | None = None
+    notify: bool = True
+    landed: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,13 +46,25 @@ class NotifyFailure:
 
 
 @dataclass(frozen=True)
+class NotifyDone:
+    """Every range of a streamed request landed, and none of their WRITEs carried the notification: tell
+    the decode rank alone (TransferDone with the rank's total bytes)."""
+
+    request_id: str
+    attempt: int
+    decode_engine_id: str
+    decode_rank: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class ReleaseSource:
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: BlockIds
     ok: bool
     nbytes: int
     reason: str = ""
     kind: Failure | None = field(default=None, compare=False)  # None when ok
 
 
-SenderAction = StartWrite | NotifyFailure | ReleaseSource
+SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource

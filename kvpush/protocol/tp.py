@@ -14,6 +14,7 @@ from ..errors import LayoutError
 from .layout import KVLayout, heads_of_rank
 
 HeadRange = tuple[int, int]
+MAX_STAGES = 256  # prefill pipeline stages a decode waits on
 
 
 def _owner(head: int, prefill_tp: int, total_kv_heads: int) -> int:
@@ -71,3 +72,17 @@ def check_peer_tp(peer: KVLayout, max_peer_tp: int) -> None:
             f"limits.max_peer_tp {max_peer_tp}"
         )
     heads_of_rank(peer.tp_rank, peer.tp_size, peer.total_kv_heads)
+
+
+def stage_senders(
+    decode_rank: int, decode_tp: int, prefill_tp: int, prefill_pp: int, total_kv_heads: int
+) -> dict[int, HeadRange]:
+    """Global prefill rank (stage x prefill_tp + TP rank) -> head range it writes to `decode_rank`: every
+    pipeline stage's ranks write their own layers, so the decode waits for one notification per (stage,
+    source rank). With prefill_pp 1 this is `senders_for`."""
+    if not 1 <= prefill_pp <= MAX_STAGES:
+        raise LayoutError(f"prefill PP {prefill_pp}: kvpush pairs with 1..{MAX_STAGES} pipeline stages")
+    per_stage = senders_for(decode_rank, decode_tp, prefill_tp, total_kv_heads)
+    return {
+        stage * prefill_tp + r: heads for stage in range(prefill_pp) for r, heads in sorted(per_stage.items())
+    }

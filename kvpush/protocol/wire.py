@@ -28,9 +28,11 @@ from typing import Annotated, Literal
 import msgspec
 
 from ..errors import WireError
+from .groups import BlockIds, from_flat
 
 # v3: the fixed envelope (v2 carried kind and version inside the map; see the module docstring)
-WIRE_VERSION = 3
+# v4: layer ids, KV-cache groups, windows and PP stage in LayoutWire; per-group tables in Registration
+WIRE_VERSION = 4
 MAGIC = b"KP"
 ENVELOPE_BYTES = 4
 TAG_BYTES = 32
@@ -39,12 +41,16 @@ SEQ_BYTES = 8
 MAX_REQUEST_ID = 512
 MAX_TOKENS = 2**26
 MAX_BLOCK_ID = 2**40
-MAX_BLOCK_IDS = 1 << 20
+MAX_BLOCK_IDS = 1 << 20  # per registration, every group's table together
+MAX_GROUPS = 16  # KV-cache groups (layout.MAX_GROUPS)
+MAX_LAYER_ID = 1 << 20
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 TpSize = Annotated[int, msgspec.Meta(ge=1, le=65536)]
 Attempt = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+# -1: no block here (a sliding-window group's block outside the window; see protocol/groups.py)
+BlockIdOrHole = Annotated[int, msgspec.Meta(ge=-1, le=MAX_BLOCK_ID)]
 Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=2048)]
@@ -73,6 +79,17 @@ class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     planes: list[tuple[NonNeg, NonNeg, NonNeg, NonNeg]]
     model_tag: Annotated[str, msgspec.Meta(max_length=256)] = ""
     atomic_blocks: bool = False
+    layer_ids: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYER_ID)]], msgspec.Meta(max_length=4096)
+    ] = []
+    layer_group: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, lt=MAX_GROUPS)]], msgspec.Meta(max_length=4096)
+    ] = []
+    group_window: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKENS)]], msgspec.Meta(max_length=MAX_GROUPS)
+    ] = []
+    pp_rank: Rank = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
 
 
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
@@ -112,18 +129,35 @@ class PeerMemory(_Msg, frozen=True):
 
 
 class Registration(_Msg, frozen=True):
-    """Decode -> prefill: these destination blocks wait for request_id's KV (attempt `attempt`)."""
+    """Decode -> prefill: these destination blocks wait for request_id's KV (attempt `attempt`).
+
+    `block_ids` is one table, or (with `group_sizes`) every KV-cache group's table back to back, group
+    0 first: group g's table is the next group_sizes[g] ids. -1 marks a window group's block outside the
+    window (the layout check refuses it anywhere else)."""
 
     request_id: RequestId
     attempt: Attempt
     decode_engine_id: Name
     decode_rank: Rank
     decode_tp: TpSize
-    block_ids: Annotated[list[BlockId], msgspec.Meta(min_length=1, max_length=MAX_BLOCK_IDS)]
+    block_ids: Annotated[list[BlockIdOrHole], msgspec.Meta(min_length=1, max_length=MAX_BLOCK_IDS)]
     num_tokens: Tokens
     # The prefill's monotonic clock after which it must never post a WRITE for this registration (the
     # decode computes it conservatively from its own expiry and the prefill's clock readings).
     expires_at: Clock
+    group_sizes: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCK_IDS)]], msgspec.Meta(max_length=MAX_GROUPS)
+    ] = []
+
+    def tables(self) -> BlockIds:
+        """The block table, or one per KV-cache group."""
+        return from_flat(self.block_ids, self.group_sizes)
+
+    def __post_init__(self) -> None:
+        if self.group_sizes and sum(self.group_sizes) != len(self.block_ids):
+            raise ValueError(
+                f"group_sizes add up to {sum(self.group_sizes)} block ids but block_ids holds {len(self.block_ids)}"
+            )
 
 
 class TransferDone(_Msg, frozen=True):

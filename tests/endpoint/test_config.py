@@ -61,8 +61,10 @@ def read(config: KVPushConfig, path: str) -> object:
 
 
 def test_every_flat_key_of_before_is_still_accepted_and_lands_in_its_group():
-    # + engine_id, top level; keys added with their own tests: tests/endpoint/test_key_secret.py
-    assert len(FLAT) + 1 == 33 and set(FLAT) | {"hmac_key_file", "advertise_host"} == set(FLAT_KEYS)
+    # + engine_id, top level; keys added with their own tests: tests/endpoint/test_key_secret.py,
+    # the streaming keys below (test_streaming_keys_are_checked)
+    added = {"hmac_key_file", "advertise_host", "stream_min_tokens", "stream_min_bytes"}
+    assert len(FLAT) + 1 == 33 and set(FLAT) | added == set(FLAT_KEYS)
     data = json.loads(json.dumps({"engine_id": "e1", **{k: v for k, (_, v) in FLAT.items()}}))
     config = KVPushConfig.from_mapping(data)
     assert config.engine_id == "e1"
@@ -252,3 +254,11 @@ def test_docs_config_md_lists_every_key_as_the_structs_define_it():
     )
     for key in FLAT:
         assert f"| `{key}` |" in doc
+
+
+def test_streaming_keys_are_checked():
+    config = KVPushConfig.from_mapping({"stream_min_tokens": 512, "streaming": {"min_bytes": 4096}})
+    assert (config.streaming.min_tokens, config.streaming.min_bytes) == (512, 4096)
+    with pytest.raises(ConfigError, match="stream_min_tokens"):
+        KVPushConfig.from_mapping({"stream_min_tokens": -1})
+    assert KVPushConfig().streaming.min_tokens > 0  # short requests move in one piece by default

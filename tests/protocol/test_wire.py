@@ -137,9 +137,9 @@ def test_a_duplicated_key_is_refused_whichever_value_comes_last():
     """msgspec keeps the last of two equal keys, so a check on the first could be passed by a crafted body."""
     good = Codec().encode(REG)
     env, body = good[:4], good[4:]
-    assert body[0] == 0x88  # a fixmap of eight fields
+    assert body[0] == 0x89  # a fixmap of nine fields
     for dup in (b"\xa7attempt\x02", b"\xa7attempt\x07"):
-        crafted = env + bytes((0x89,)) + body[1:] + dup
+        crafted = env + bytes((0x8A,)) + body[1:] + dup
         with pytest.raises(WireError, match="non-canonical"):
             Codec().decode(crafted)
 

@@ -18,6 +18,7 @@ from kvpush.apps.soak.tap import FrameTapControl
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
 from kvpush.endpoint.control import ZmqControl
+from kvpush.protocol.groups import flat_ids
 from kvpush.transport.base import Transport
 from kvpush.transport.faults import FaultInjectingTransport
 
@@ -133,8 +134,8 @@ def decode_main(
                 elif cmd[0] == "stop":
                     break
             for res in ep.finished():
-                n, tag = live.pop((res.request_id, res.block_ids), (0, 0))
-                blocks = list(res.block_ids)
+                blocks = [int(b) for b in flat_ids(res.block_ids)[0]]  # one group: the table itself
+                n, tag = live.pop((res.request_id, tuple(blocks)), (0, 0))
                 wrong = 0
                 if res.ok and n:
                     if check == "corrupt":  # self-check: a wrong token where a right one was

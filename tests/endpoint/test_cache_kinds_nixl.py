@@ -1,0 +1,119 @@
+"""Issue 19 over real NIXL (UCX loopback, host DRAM, agents in this process): MLA latents TP 2 -> 1 and
+1 -> 2, FP8 (1-byte) units, three KV-cache groups (one full, two sliding windows, the boundary case and a
+prompt longer than the window) and a PP 2 prefill (one endpoint per stage) into one decode; every byte of
+every decode cache checked against what the transfer must leave, and nothing else written."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvpush.apps.ports import free_port_range
+from kvpush.config import KVPushConfig
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.protocol.groups import HOLE, window_token_range
+from kvpush.protocol.layout import KVLayout, blocks_for
+from kvpush.protocol.tp import stage_senders
+
+from ..protocol.kvbytes import expected, fill, placed
+
+pytestmark = pytest.mark.e2e
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def _wait(eps, timeout=30.0):
+    got: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and len(got) < len(eps):
+        for i, ep in enumerate(eps):
+            for r in ep.finished():
+                got[i] = r
+        time.sleep(0.002)
+    return got
+
+
+def _tables(n, bs, windows, ids):
+    out = []
+    for w in windows:
+        first, _ = window_token_range(n, w, 1)
+        table = ids[: blocks_for(n, bs)]
+        out.append(tuple(HOLE if i < first // bs else b for i, b in enumerate(table)))
+        ids = [b + 16 for b in ids]  # another group: other blocks of the shared pool
+    return tuple(out)
+
+
+MLA = dict(num_layers=3, kv_per_layer=1, total_kv_heads=1, head_dim=576, dtype_size=2, block_size=16)
+FP8 = dict(num_layers=3, total_kv_heads=2, head_dim=8, dtype_size=1, block_size=16)
+GROUPS = dict(
+    num_layers=6, total_kv_heads=2, head_dim=8, dtype_size=2, block_size=16,
+    layer_group=(0, 1, 2, 1, 2, 0), group_window=(0, 32, 48),
+)  # fmt: skip
+PP = dict(num_layers=4, total_kv_heads=2, head_dim=8, dtype_size=2, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "kind, geo, p_tp, d_tp, pp, n",
+    [
+        ("mla", MLA, 2, 1, 1, 40),
+        ("mla", MLA, 1, 2, 1, 40),
+        ("fp8", FP8, 2, 1, 1, 45),
+        ("groups-boundary", GROUPS, 1, 1, 1, 47),  # 47 % 16 == 15: window 32 starts alone in block 0
+        ("groups-long", GROUPS, 1, 1, 1, 100),  # longer than both windows: holes before them
+        ("pp", PP, 1, 1, 2, 50),
+    ],
+)
+def test_cache_kind_over_nixl(kind, geo, p_tp, d_tp, pp, n):
+    windows = geo.get("group_window") or (0,)
+    per_stage = geo["num_layers"] // pp
+    p_layouts = []
+    for stage in range(pp):
+        for r in range(p_tp):
+            kw = dict(geo, num_blocks=64, tp_rank=r, tp_size=p_tp)
+            if pp > 1:
+                ids = tuple(range(stage * per_stage, (stage + 1) * per_stage))
+                kw.update(num_layers=per_stage, layer_ids=ids, pp_rank=stage, pp_size=pp)
+            p_layouts.append(placed(KVLayout(**kw)))
+    d_layouts = [placed(KVLayout(**dict(geo, num_blocks=64, tp_rank=r, tp_size=d_tp))) for r in range(d_tp)]
+    s_tabs = _tables(n, 16, windows, [30, 3, 9, 1, 2, 5, 6, 7])
+    d_tabs = _tables(n, 16, windows, [11, 0, 15, 4, 8, 12, 13, 14])
+    port = free_port_range(pp * p_tp)
+    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=20.0, ready_timeout_s=30.0))
+    dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
+    pe = [PrefillEndpoint(pcfg, lay) for lay, _ in p_layouts]
+    de = [DecodeEndpoint(dcfg, lay) for lay, _ in d_layouts]
+    try:
+        for ep in pe + de:
+            ep.start()
+        addr = PrefillAddress("P", "127.0.0.1", port, p_tp, pp)
+        for ep in de:
+            ep.connect(addr)
+        for lay, buf in p_layouts:
+            fill(buf, lay, s_tabs, n, 5)
+        arg_s = s_tabs if len(windows) > 1 else s_tabs[0]
+        arg_d = d_tabs if len(windows) > 1 else d_tabs[0]
+        for ep in de:
+            ep.expect("r", arg_d, n, addr)
+        time.sleep(0.05)
+        for ep in pe:
+            ep.prefill_done("r", arg_s, n)
+        got = _wait(de)
+        assert len(got) == d_tp and all(r.ok for r in got.values()), got
+        assert all(r.block_ids == arg_d for r in got.values())
+        owed = sorted(
+            {p for d in range(d_tp) for p in stage_senders(d, d_tp, p_tp, pp, geo["total_kv_heads"])}
+        )
+        assert len(owed) == (1 if kind == "mla" else p_tp * pp)  # MLA: one source rank for every decode rank
+        sent = _wait([pe[i] for i in owed])
+        assert len(sent) == len(owed) and all(r.ok for r in sent.values()), sent
+        for lay, buf in d_layouts:
+            want = expected(lay, d_tabs, n, 5, lay.kv_heads, set(range(geo["num_layers"])), align=16)
+            wrong = np.flatnonzero(buf != want)
+            assert wrong.size == 0, f"{kind}: {wrong.size} wrong bytes on decode rank {lay.tp_rank}"
+    finally:
+        for ep in de + pe:
+            ep.close()
