@@ -116,7 +116,7 @@ class DecodeWorker(WorkerBase):
             self.expects += 1
             self.endpoint.expect(
                 it.key,
-                expand_group_ids(it.block_ids, self.cache.ratio),  # type: ignore[arg-type]
+                expand_group_ids(it.block_ids, self.cache.ratio),
                 it.num_tokens,
                 it.prefill,
             )

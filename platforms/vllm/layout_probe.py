@@ -21,10 +21,11 @@ The tensors' byte strides then give the physical order (NHD or HND) and every pl
 be dense inside (a block's heads x tokens units contiguous in one of the two orders); anything else raises
 LayoutError naming the tensor, its shape and strides.
 
-Caches kvpush cannot move correctly yet are refused by name (`CacheFeatures`): sliding-window attention,
-decode context parallelism (DCP), FP8-packed KV, hybrid caches (several KV cache groups) and KV-cache
-groups of kinds kvpush does not know (cache_groups.py reads them from vLLM's KV-cache config). An MLA
-cache is one latent "head" per token, whatever the model config says of its KV heads.
+KV-cache groups (full attention, sliding window, MLA) come from vLLM's KV-cache config (cache_groups.py).
+Caches kvpush cannot move correctly are refused by name (`CacheFeatures`): groups of kinds kvpush does not
+know, a window or several groups without the KV-cache config that says which layers they hold, decode
+context parallelism (DCP) and FP8-packed KV. An MLA cache is one latent "head" per token, whatever the
+model config says of its KV heads.
 """
 
 from __future__ import annotations
@@ -172,15 +173,12 @@ class CacheFeatures:
 
     def refuse_unsupported(self) -> None:
         reasons = []
-        windows = [f"window {g.window} in KV-cache group {i}" for i, g in enumerate(self.groups) if g.window]
-        if windows:
+        # Window and full-attention groups, one or several, move (cache_groups.layout_groups); without
+        # vLLM's KV-cache config nothing says which layers a model's window applies to.
+        if self.sliding_window and not self.groups:
             reasons.append(
-                f"sliding-window attention ({', '.join(windows)}): only blocks inside the window are valid and the two sides must agree on which"
-            )
-        elif self.sliding_window and not self.groups:
-            reasons.append(
-                f"sliding-window attention (window {self.sliding_window}): only blocks inside the window "
-                "are valid and the two sides must agree on which (vllm-neuron's N-1 alignment)"
+                f"sliding-window attention (window {self.sliding_window}) without vLLM's KV-cache config: "
+                "which layers and blocks the window holds is unknown"
             )
         for i, g in enumerate(self.groups):
             if g.kind == "other":
@@ -191,10 +189,12 @@ class CacheFeatures:
             reasons.append(
                 f"FP8-packed KV cache ({self.kv_cache_dtype}): a swizzled layout, not tokens x heads"
             )
-        if self.num_kv_cache_groups > 1:
-            kinds = ", ".join(g.describe() for g in self.groups)
+        if self.num_kv_cache_groups > len(self.groups) > 0 or (
+            self.num_kv_cache_groups > 1 and not self.groups
+        ):
             reasons.append(
-                f"hybrid KV cache ({self.num_kv_cache_groups} KV cache groups{': ' + kinds if kinds else ''})"
+                f"hybrid KV cache ({self.num_kv_cache_groups} KV cache groups, "
+                f"{self.num_kv_cache_groups - len(self.groups)} without a spec to read)"
             )
         if reasons:
             raise LayoutError("kvpush does not support this KV cache yet: " + "; ".join(reasons))

@@ -93,8 +93,7 @@ class PrefillWorker(WorkerBase):
             self.by_key[it.key] = rec
             self.handoffs += 1
             blocks = expand_group_ids(it.block_ids, self.cache.ratio)
-            # per-group tables reach here only once the endpoint takes them (the probe refuses groups)
-            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)  # type: ignore[arg-type]
+            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush P %s blocks %s sums %s",

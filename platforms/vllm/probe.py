@@ -16,6 +16,7 @@ from kvpush.backends.select import CacheSetup, setup_for_tensors
 from kvpush.config import LOOPBACK
 from kvpush.protocol.layout import KVLayout
 
+from .cache_groups import layout_groups
 from .layout_probe import (
     CPU_VIEW,
     RFC_VIEW,
@@ -142,6 +143,9 @@ def probe_kv_caches(
         features=features,
     )
     layout, ratio = probed.layout, probed.blocks_per_vllm_block
+    layer_group, group_window = layout_groups(features.groups, list(kv_caches))
+    if group_window:  # window or several groups: each layer's group, each group's kept window
+        layout = dataclasses.replace(layout, layer_group=layer_group, group_window=group_window)
     if backend == CPU_BACKEND:
         # vLLM's CPU kernels keep tokens inside a block in their own packed order: a partial block
         # cannot be cut by token, so blocks move whole (the plan rounds; block sizes must match).
@@ -155,7 +159,7 @@ def probe_kv_caches(
     mem_type = setup.mem_type
     log.warning(
         "kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "
-        "%s, %d kernel blocks per vLLM block of %d%s)",
+        "%s, %d kernel blocks per vLLM block of %d%s; KV-cache groups: %s)",
         settings.role,
         rank,
         mem_type,
@@ -169,6 +173,7 @@ def probe_kv_caches(
         ratio,
         settings.block_size,
         ", whole blocks" if layout.atomic_blocks else "",
+        ", ".join(g.describe() for g in features.groups) or "one",
     )
     if setup.hooks is not None:
         log.warning("kvpush: KV staged through host memory (%s)", setup.choice.reason)

@@ -331,10 +331,10 @@ def test_cache_groups_read_kinds_and_windows_from_the_kv_cache_config() -> None:
     assert cache_groups(None) == ()
 
 
-def test_refusals_name_the_real_groups_and_windows() -> None:
-    """The hybrid refusal counts vLLM's real groups (before, the KV-cache config was never read and a
-    hybrid cache without a window went through with only group 0 moved); windows and unknown group kinds
-    are named with their group."""
+def test_groups_and_windows_move_and_unknown_kinds_are_refused_by_group() -> None:
+    """With vLLM's KV-cache config the groups are known: full and window groups move (one table each),
+    a group of another kind is refused naming it; without the config a window or several groups are
+    refused (nothing says which layers they hold)."""
     cfg = SimpleNamespace(model_config=SimpleNamespace(get_sliding_window=lambda: 64))
     hybrid = _kv_cache_config(
         (["l2"], _spec("FullAttentionSpec", num_kv_heads=2, head_size=64)),
@@ -343,17 +343,15 @@ def test_refusals_name_the_real_groups_and_windows() -> None:
     )
     f = features_from_vllm(cfg, hybrid)
     assert f.num_kv_cache_groups == 3 and not f.mla
-    with pytest.raises(
-        LayoutError,
-        match=r"window 64 in KV-cache group 1, window 64 in KV-cache group 2.*"
-        r"hybrid KV cache \(3 KV cache groups: full attention, window 64, window 64\)",
-    ):
-        f.refuse_unsupported()
-    no_window = _kv_cache_config(
+    assert [g.describe() for g in f.groups] == ["full attention", "window 64", "window 64"]
+    f.refuse_unsupported()
+    mamba = _kv_cache_config(
         (["l0"], _spec("FullAttentionSpec")), (["l1"], _spec("MambaSpec", num_kv_heads=0, head_size=0))
     )
-    with pytest.raises(LayoutError, match=r"group 1 is a MambaSpec.*hybrid KV cache \(2 KV cache groups"):
-        features_from_vllm(SimpleNamespace(), no_window).refuse_unsupported()
+    with pytest.raises(LayoutError, match=r"KV-cache group 1 is a MambaSpec, a cache kvpush does not know"):
+        features_from_vllm(SimpleNamespace(), mamba).refuse_unsupported()
+    with pytest.raises(LayoutError, match=r"sliding-window attention \(window 64\) without vLLM's KV-cache"):
+        features_from_vllm(cfg).refuse_unsupported()
     # a model config window whose layers vLLM keeps in a full-attention group is not refused
     full = _kv_cache_config((["l0"], _spec("FullAttentionSpec", sliding_window=64)))
     features_from_vllm(cfg, full).refuse_unsupported()
