@@ -110,16 +110,19 @@ class DecodeWorker(WorkerBase):
                     FailItem(it.req_id, f"transfer key {it.key!r} is in use", it.block_ids)
                 )
                 continue
+            try:
+                self.endpoint.expect(
+                    it.key, expand_group_ids(it.block_ids, self.cache.ratio), it.num_tokens, it.prefill
+                )
+            except LayoutError as exc:
+                # a table kvpush cannot fill (e.g. a window block vLLM never allocated): this request
+                # fails and vLLM's kv_load_failure_policy applies; the engine goes on
+                self.instant_fail.append(FailItem(it.req_id, str(exc), it.block_ids))
+                continue
             rec = _Recv(it.req_id, it.key, it.block_ids, it.num_tokens, now)
             self.by_key[it.key] = rec
             self.by_req[it.req_id] = rec
             self.expects += 1
-            self.endpoint.expect(
-                it.key,
-                expand_group_ids(it.block_ids, self.cache.ratio),
-                it.num_tokens,
-                it.prefill,
-            )
         self.instant_fail.extend(meta.fail_recv)
         for rid in meta.abort_recv:
             waiting = self.by_req.get(rid)

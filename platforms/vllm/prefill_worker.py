@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import PrefillEndpoint, SendResult
+from kvpush.errors import LayoutError
 
 from .block_table import expand_group_ids, first_table
 from .overdue import Held, OverdueCheck
@@ -90,10 +91,16 @@ class PrefillWorker(WorkerBase):
                 # rather than let the endpoint treat it as the live request's resend.
                 rec.result = SendResult(it.key, False, (), f"transfer key {it.key!r} is in use")
                 continue
+            blocks = expand_group_ids(it.block_ids, self.cache.ratio)
+            try:
+                self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
+            except LayoutError as exc:  # a table kvpush cannot read: this push fails, the engine goes on
+                rec.result = SendResult(it.key, False, (), str(exc))
+                self.sent_failed += 1
+                log.warning("kvpush: push of %s refused: %s", it.req_id, exc)
+                continue
             self.by_key[it.key] = rec
             self.handoffs += 1
-            blocks = expand_group_ids(it.block_ids, self.cache.ratio)
-            self.endpoint.prefill_done(it.key, blocks, it.num_tokens, kv_written=barrier)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush P %s blocks %s sums %s",
