@@ -9,7 +9,9 @@ its own table from what every SchedulerOutput already carries for the workers (0
   * `kv_connector_block_state` (vLLM >= 0.29): vLLM's own snapshot of the requests that got blocks this
     step (0.29: a `block_ids` dict; 0.32+: `get_block_ids(req_id)`, resolved on access); it wins over
     what the table pieced together.
-Only the first KV-cache group is kept (kvpush refuses hybrid groups).
+Every KV-cache group's table is kept (vLLM's hybrid manager gives each group its own); `group_ids` turns
+them into what kvpush's endpoints take: one flat table for one group (as before groups existed), else one
+table per group, with vLLM's null block (a window group's block freed outside the window) as -1.
 """
 
 from __future__ import annotations
@@ -22,29 +24,71 @@ from kvpush.errors import LocalProtocolError
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-# request id -> its blocks in the first KV-cache group, as vLLM holds them when its prompt completes
-BlockIdSource = Callable[[str], Sequence[int]]
+# request id -> its blocks in each KV-cache group, as vLLM holds them when its prompt completes
+BlockIdSource = Callable[[str], Sequence[Sequence[int]]]
+# one flat table (one KV-cache group) or one table per group: what the endpoints' calls take
+GroupIds = tuple[int, ...] | tuple[tuple[int, ...], ...]
+
+NULL_BLOCK = 0  # vLLM's null block: the block pool's first block, never a request's own
+HOLE = -1  # kvpush's "no block here" in a window group's table
+
+
+def group_ids(groups: Sequence[Sequence[int]], num_blocks: int) -> GroupIds:
+    """The first num_blocks of each group's table; one group -> one flat table. vLLM's null block
+    (what a window group holds where it freed blocks before the window) becomes -1: kvpush moves only
+    in-window blocks and refuses a needed block that is -1 by name."""
+    tables = tuple(tuple(HOLE if b == NULL_BLOCK else int(b) for b in g[:num_blocks]) for g in groups)
+    if len(tables) == 1:
+        return tables[0]
+    return tables
+
+
+def real_ids(ids: GroupIds) -> set[int]:
+    """Every block id the tables name, holes left out (vLLM's invalid-block set of a failed load)."""
+    flat = [b for t in ids for b in (t if isinstance(t, tuple) else (t,))]
+    return {b for b in flat if b != HOLE}
+
+
+def first_table(ids: GroupIds) -> list[int]:
+    """The first group's table (the DEBUG checksums read one group)."""
+    first = ids[0] if ids and isinstance(ids[0], tuple) else ids
+    return [b for b in first if isinstance(b, int)]
+
+
+def expand_group_ids(ids: GroupIds, ratio: int) -> GroupIds:
+    """vLLM block ids -> kernel block ids (`ratio` kernel blocks per vLLM block), per table; a hole
+    stays a hole for each of its kernel blocks."""
+    if ratio == 1:
+        return ids
+
+    def one(table: Sequence[int]) -> tuple[int, ...]:
+        return tuple(HOLE if b == HOLE else b * ratio + i for b in table for i in range(ratio))
+
+    if ids and isinstance(ids[0], tuple):
+        return tuple(one(t) for t in ids)  # type: ignore[arg-type]
+    return one(ids)  # type: ignore[arg-type]
 
 
 class BlockTable:
     """Block ids of the requests the prefill scheduler still has to hand over."""
 
     def __init__(self) -> None:
-        self.ids: dict[str, list[int]] = {}
+        self.ids: dict[str, list[list[int]]] = {}  # per KV-cache group
 
     def update(self, out: SchedulerOutput, wanted: Collection[str]) -> None:
         """Take this step's blocks of the `wanted` requests (call before reading them in the same step)."""
         for new in out.scheduled_new_reqs:
             if new.req_id in wanted:
-                self.ids[new.req_id] = list(new.block_ids[0])
+                self.ids[new.req_id] = [list(g) for g in new.block_ids]
         cached = out.scheduled_cached_reqs
         for rid, added in zip(cached.req_ids, cached.new_block_ids, strict=True):
             if added is None or rid not in wanted:
                 continue
-            if rid in cached.resumed_req_ids:
-                self.ids[rid] = list(added[0])
+            if rid in cached.resumed_req_ids or rid not in self.ids:
+                self.ids[rid] = [list(g) for g in added]
             else:
-                self.ids.setdefault(rid, []).extend(added[0])
+                for table, more in zip(self.ids[rid], added, strict=True):
+                    table.extend(more)
         snapshot = getattr(out, "kv_connector_block_state", None)  # vLLM >= 0.29
         if snapshot is None:
             return
@@ -53,13 +97,13 @@ class BlockTable:
             for rid in wanted:
                 groups = resolve(rid)
                 if groups is not None:
-                    self.ids[rid] = list(groups[0])
+                    self.ids[rid] = [list(g) for g in groups]
             return
         for rid, groups in snapshot.block_ids.items():  # vLLM 0.29: a dict of copies
             if rid in wanted:
-                self.ids[rid] = list(groups[0])
+                self.ids[rid] = [list(g) for g in groups]
 
-    def block_ids(self, request_id: str) -> Sequence[int]:
+    def block_ids(self, request_id: str) -> Sequence[Sequence[int]]:
         ids = self.ids.get(request_id)
         if ids is None:
             raise LocalProtocolError(
@@ -76,11 +120,11 @@ def manager_or_table(manager: Callable[[], Any], table: BlockIdSource) -> BlockI
     """The KV cache manager vLLM >= 0.32 binds to the connector where it is bound (`manager` returns it
     or None), else `table`: the one source that every vLLM version fills."""
 
-    def block_ids(request_id: str) -> Sequence[int]:
+    def block_ids(request_id: str) -> Sequence[Sequence[int]]:
         mgr = manager()
         if mgr is None:
             return table(request_id)
-        ids: Sequence[int] = mgr.get_block_ids(request_id)[0]
+        ids: Sequence[Sequence[int]] = mgr.get_block_ids(request_id)
         return ids
 
     return block_ids

@@ -25,12 +25,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.errors import ConfigError, LocalProtocolError
 
 from .block_table import manager_or_table
+from .cache_groups import cache_groups
 from .decode_scheduler import DecodeScheduler
 from .decode_worker import DecodeWorker
 from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
 from .prefill_scheduler import PrefillScheduler
 from .prefill_worker import PrefillWorker
-from .scheduler import KVPushConnectorMetadata
+from .scheduler import KVPushConnectorMetadata, window_backoff
 from .vllm_stats import HAVE_HOOKS, KVPushPromMetrics, KVPushStats
 
 try:  # vLLM >= 0.32
@@ -89,9 +90,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: PrefillWorker | DecodeWorker | None = None
         # Which method vLLM collects results with decides how failures reach it (see get_finished).
         self._failures_by_blocks = False
+        # vLLM's KV-cache groups (one block table each); () where vLLM passes no KV-cache config
+        self.groups = cache_groups(kv_cache_config)
+        backoff = window_backoff(self.groups)
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.is_producer:
-                sched = PrefillScheduler(self.settings)
+                sched = PrefillScheduler(self.settings, backoff=backoff)
                 # vLLM >= 0.32 binds its KV cache manager after constructing the connector; older vLLM
                 # never does, and the scheduler's own table (fed from the scheduler outputs) answers.
                 sched.block_ids = manager_or_table(
@@ -99,7 +103,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 self._sched = sched
             else:
-                self._sched = DecodeScheduler(self.settings)
+                self._sched = DecodeScheduler(self.settings, backoff=backoff)
         elif self.settings.is_producer:
             self._worker = PrefillWorker(self.settings, vllm_config)
         else:
@@ -150,7 +154,12 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched is not None and self._sched.has_pending_work()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return (0,)
+        """Every group: kvpush writes each group's blocks (vLLM zeroes the blocks of groups not named)."""
+        return tuple(range(len(self.groups))) or (0,)
+
+    def on_new_request(self, request: Request) -> None:
+        if isinstance(self._sched, PrefillScheduler):
+            self._sched.on_new_request(request)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

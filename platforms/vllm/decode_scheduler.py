@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import PrefillAddress
 from kvpush.protocol.layout import blocks_for
 
+from .block_table import group_ids
 from .params import ConnectorSettings, KVTransferParams, transfer_key
-from .scheduler import CancelItem, FailItem, RecvItem, SchedulerBase
+from .scheduler import CancelItem, FailItem, RecvItem, SchedulerBase, pushed_tokens
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -40,8 +41,9 @@ def prefill_address(params: KVTransferParams) -> PrefillAddress:
 class DecodeScheduler(SchedulerBase):
     """Which requests receive their prompt's KV, into which blocks, and when vLLM may free them."""
 
-    def __init__(self, settings: ConnectorSettings) -> None:
+    def __init__(self, settings: ConnectorSettings, backoff: int = 0) -> None:
         super().__init__(settings)
+        self.backoff = backoff  # last prompt tokens the prefill leaves for us to compute (window_backoff)
         self.recving: dict[str, str] = {}  # request id -> its transfer key ("" if it has none)
 
     def get_num_new_matched_tokens(
@@ -59,7 +61,7 @@ class DecodeScheduler(SchedulerBase):
                 num_computed_tokens,
             )
             return 0, False
-        n = int(request.num_prompt_tokens)
+        n = pushed_tokens(int(request.num_prompt_tokens), self.backoff)
         return (n, True) if n > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -80,8 +82,8 @@ class DecodeScheduler(SchedulerBase):
         if request.kv_transfer_params is not None:
             request.kv_transfer_params["do_remote_prefill"] = False
         self.recving[rid] = ""
-        num_tokens = int(request.num_prompt_tokens)
-        block_ids = tuple(blocks.get_block_ids()[0])[: blocks_for(num_tokens, self.settings.block_size)]
+        num_tokens = pushed_tokens(int(request.num_prompt_tokens), self.backoff)
+        block_ids = group_ids(blocks.get_block_ids(), blocks_for(num_tokens, self.settings.block_size))
         missing = params.prefill_address_missing()
         if missing:
             self.meta.fail_recv.append(

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress
 from kvpush.errors import HandshakeTimeout, KVPushError, LayoutError
 
-from .layout_probe import expand_blocks
+from .block_table import GroupIds, expand_group_ids, first_table, real_ids
 from .overdue import Held, OverdueCheck
 from .pairing import PairingServer
 from .probe import debug_checksums
@@ -45,7 +45,7 @@ OVERDUE_SLACK_S = 2.0
 class _Recv:
     req_id: str  # vLLM's internal id
     key: str  # the transfer key both engines agree on
-    block_ids: tuple[int, ...]  # vLLM's block ids (before expanding to kernel blocks)
+    block_ids: GroupIds  # vLLM's block ids, per KV-cache group (before expanding to kernel blocks)
     num_tokens: int
     expected_at: float
     aborted: bool = False  # vLLM finished it while it waited: report it, but not as a load failure
@@ -110,16 +110,19 @@ class DecodeWorker(WorkerBase):
                     FailItem(it.req_id, f"transfer key {it.key!r} is in use", it.block_ids)
                 )
                 continue
+            try:
+                self.endpoint.expect(
+                    it.key, expand_group_ids(it.block_ids, self.cache.ratio), it.num_tokens, it.prefill
+                )
+            except LayoutError as exc:
+                # a table kvpush cannot fill (e.g. a window block vLLM never allocated): this request
+                # fails and vLLM's kv_load_failure_policy applies; the engine goes on
+                self.instant_fail.append(FailItem(it.req_id, str(exc), it.block_ids))
+                continue
             rec = _Recv(it.req_id, it.key, it.block_ids, it.num_tokens, now)
             self.by_key[it.key] = rec
             self.by_req[it.req_id] = rec
             self.expects += 1
-            self.endpoint.expect(
-                it.key,
-                expand_blocks(it.block_ids, self.cache.ratio),
-                it.num_tokens,
-                it.prefill,
-            )
         self.instant_fail.extend(meta.fail_recv)
         for rid in meta.abort_recv:
             waiting = self.by_req.get(rid)
@@ -148,7 +151,7 @@ class DecodeWorker(WorkerBase):
         for fail in self.instant_fail:
             recving.add(fail.req_id)
             failed.add(fail.req_id)
-            self.failed_blocks.update(fail.block_ids)
+            self.failed_blocks.update(real_ids(fail.block_ids))
             self.recv_failed += 1
             log.warning("kvpush: request %s cannot receive KV: %s", fail.req_id, fail.reason)
         self.instant_fail.clear()
@@ -167,7 +170,7 @@ class DecodeWorker(WorkerBase):
                     rec.block_ids,
                     debug_checksums(
                         self.kv_caches,
-                        expand_blocks(rec.block_ids, self.cache.ratio),
+                        first_table(expand_group_ids(rec.block_ids, self.cache.ratio)),
                         rec.num_tokens,
                         self.cache.layout.block_size,
                     ),
@@ -180,7 +183,7 @@ class DecodeWorker(WorkerBase):
                 self.recv_failed += 1
                 if not rec.aborted:
                     failed.add(rec.req_id)
-                    self.failed_blocks.update(rec.block_ids)
+                    self.failed_blocks.update(real_ids(rec.block_ids))
                     log.warning("kvpush: KV for %s did not arrive: %s", rec.req_id, r.reason)
         self.check_overdue(time.monotonic())
         self.publish_stats(news)

@@ -21,8 +21,11 @@ The tensors' byte strides then give the physical order (NHD or HND) and every pl
 be dense inside (a block's heads x tokens units contiguous in one of the two orders); anything else raises
 LayoutError naming the tensor, its shape and strides.
 
-Caches kvpush cannot move correctly yet are refused by name (`CacheFeatures`): sliding-window attention,
-decode context parallelism (DCP), FP8-packed KV and hybrid caches (several KV cache groups).
+KV-cache groups (full attention, sliding window, MLA) come from vLLM's KV-cache config (cache_groups.py).
+Caches kvpush cannot move correctly are refused by name (`CacheFeatures`): groups of kinds kvpush does not
+know, a window or several groups without the KV-cache config that says which layers they hold, decode
+context parallelism (DCP) and FP8-packed KV. An MLA cache is one latent "head" per token, whatever the
+model config says of its KV heads.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import Any, Literal
 
 from kvpush.backends.select import NEURON_DEVICE_TYPES
 from kvpush.protocol.layout import KVLayout, LayoutError, Plane, Region
+
+from .cache_groups import CacheGroup, cache_groups
 
 Axis = Literal["kv", "block", "head", "token", "dim", "content"]
 """Meaning of one tensor dim: K/V plane index, block, KV head, token in block, head_size elements of one
@@ -155,35 +160,50 @@ def _backend_name(backend: Any) -> str:
 
 @dataclass(frozen=True)
 class CacheFeatures:
-    """Cache properties kvpush refuses until it handles them; read from the engine's config."""
+    """Cache properties kvpush refuses until it handles them; read from the engine's config and, where
+    vLLM passes one, its KV-cache config (`groups`: what vLLM really keeps, group by group)."""
 
     sliding_window: int | None = None
     dcp_size: int = 1
     kv_cache_dtype: str = "auto"
     fp8_packed_kv: bool = False
     num_kv_cache_groups: int = 1
+    groups: tuple[CacheGroup, ...] = ()
+    mla: bool = False  # the cache holds one latent per token (vLLM's use_mla / an MLA group)
 
     def refuse_unsupported(self) -> None:
         reasons = []
-        if self.sliding_window:
+        # Window and full-attention groups, one or several, move (cache_groups.layout_groups); without
+        # vLLM's KV-cache config nothing says which layers a model's window applies to.
+        if self.sliding_window and not self.groups:
             reasons.append(
-                f"sliding-window attention (window {self.sliding_window}): only blocks inside the window "
-                "are valid and the two sides must agree on which (vllm-neuron's N-1 alignment)"
+                f"sliding-window attention (window {self.sliding_window}) without vLLM's KV-cache config: "
+                "which layers and blocks the window holds is unknown"
             )
+        for i, g in enumerate(self.groups):
+            if g.kind == "other":
+                reasons.append(f"KV-cache group {i} is a {g.spec}, a cache kvpush does not know")
         if self.dcp_size > 1:
             reasons.append(f"decode context parallelism (DCP size {self.dcp_size}): KV is split by sequence")
         if self.fp8_packed_kv or "packed" in self.kv_cache_dtype.lower():
             reasons.append(
                 f"FP8-packed KV cache ({self.kv_cache_dtype}): a swizzled layout, not tokens x heads"
             )
-        if self.num_kv_cache_groups > 1:
-            reasons.append(f"hybrid KV cache ({self.num_kv_cache_groups} KV cache groups)")
+        if self.num_kv_cache_groups > len(self.groups) > 0 or (
+            self.num_kv_cache_groups > 1 and not self.groups
+        ):
+            reasons.append(
+                f"hybrid KV cache ({self.num_kv_cache_groups} KV cache groups, "
+                f"{self.num_kv_cache_groups - len(self.groups)} without a spec to read)"
+            )
         if reasons:
             raise LayoutError("kvpush does not support this KV cache yet: " + "; ".join(reasons))
 
 
 def features_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> CacheFeatures:
-    """CacheFeatures from a VllmConfig (attributes read defensively: vLLM versions and vllm-neuron differ)."""
+    """CacheFeatures from a VllmConfig and the connector's KVCacheConfig (attributes read defensively:
+    vLLM versions and vllm-neuron differ). The KV-cache config, where given, decides groups, windows and
+    MLA; the model config's window counts only without one."""
     model = getattr(vllm_config, "model_config", None)
     get_window = getattr(model, "get_sliding_window", None)
     window = get_window() if callable(get_window) else None
@@ -194,13 +214,17 @@ def features_from_vllm(vllm_config: Any, kv_cache_config: Any = None) -> CacheFe
     extra = getattr(vllm_config, "additional_config", None) or {}
     neuron = extra.get("neuron_config", {}) if isinstance(extra, Mapping) else {}
     packed = bool(neuron.get("fp8_packed_kv", False)) if isinstance(neuron, Mapping) else False
-    groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None]) if kv_cache_config else 1
+    groups = cache_groups(kv_cache_config)
+    count = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None]) if kv_cache_config else 1
+    mla = any(g.kind == "mla" for g in groups) or (not groups and getattr(model, "use_mla", False) is True)
     return CacheFeatures(
         sliding_window=int(window) if window else None,
         dcp_size=dcp,
         kv_cache_dtype=dtype,
         fp8_packed_kv=packed,
-        num_kv_cache_groups=groups,
+        num_kv_cache_groups=count,
+        groups=groups,
+        mla=mla,
     )
 
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.protocol.layout import blocks_for
 
-from .block_table import BlockIdSource, BlockTable
+from .block_table import BlockIdSource, BlockTable, group_ids
 from .params import ConnectorSettings, KVTransferParams, transfer_key
-from .scheduler import KVPushConnectorMetadata, SchedulerBase, SendItem
+from .scheduler import KVPushConnectorMetadata, SchedulerBase, SendItem, cut_prompt
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -54,8 +54,11 @@ class _PrefillRequest:
 class PrefillScheduler(SchedulerBase):
     """Which prompts to push in which step, and how long vLLM keeps their blocks."""
 
-    def __init__(self, settings: ConnectorSettings, block_ids: BlockIdSource | None = None) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, block_ids: BlockIdSource | None = None, backoff: int = 0
+    ) -> None:
         super().__init__(settings)
+        self.backoff = backoff  # prompt tokens left for the decode to compute (window_backoff)
         self.table = BlockTable()  # fed every step; read where no other source answers
         self.block_ids: BlockIdSource = block_ids or self.table.block_ids
         self.prefills: dict[str, _PrefillRequest] = {}  # by vLLM request id
@@ -64,6 +67,15 @@ class PrefillScheduler(SchedulerBase):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return 0, False  # a prefill computes its prompts itself
+
+    def on_new_request(self, request: Request) -> None:
+        """With a backoff (sliding-window groups, see window_backoff): a request whose KV is pushed
+        computes all of its prompt but the last `backoff` tokens, which the decode computes. Done once,
+        when vLLM adds the request (a preempted request is not cut again)."""
+        params = self._params(request)
+        if not self.backoff or params is None or not params.do_remote_decode:
+            return
+        cut_prompt(request, self.backoff)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -100,13 +112,14 @@ class PrefillScheduler(SchedulerBase):
                 self._preempted(rid, rec, meta)  # vLLM freed and reallocated its blocks: stop reading them
             if done < req.num_prompt_tokens:
                 if self.settings.stream and not rec.stream_off and done > rec.streamed:
-                    blocks = self.block_ids(rid)[: blocks_for(done, self.settings.block_size)]
-                    meta.ready.append(SendItem(rid, rec.key, tuple(blocks), done, rec.decode_engine_id))
-                    rec.streamed = done
+                    ready = group_ids(self.block_ids(rid), blocks_for(done, self.settings.block_size))
+                    if ready and isinstance(ready[0], int):  # streamed ranges move one KV-cache group
+                        meta.ready.append(SendItem(rid, rec.key, ready, done, rec.decode_engine_id))
+                        rec.streamed = done
                 continue  # a chunk; the prompt completes in a later step
             num_tokens = int(req.num_prompt_tokens)
-            blocks = self.block_ids(rid)[: blocks_for(num_tokens, self.settings.block_size)]
-            meta.send.append(SendItem(rid, rec.key, tuple(blocks), num_tokens, rec.decode_engine_id))
+            blocks = group_ids(self.block_ids(rid), blocks_for(num_tokens, self.settings.block_size))
+            meta.send.append(SendItem(rid, rec.key, blocks, num_tokens, rec.decode_engine_id))
             rec.state = SendState.HANDED
             self.table.drop(rid)
 

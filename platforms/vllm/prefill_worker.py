@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import PrefillEndpoint, SendResult
+from kvpush.errors import LayoutError
 
-from .layout_probe import expand_blocks
+from .block_table import expand_group_ids, first_table
 from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata, SendItem
@@ -90,7 +91,7 @@ class PrefillWorker(WorkerBase):
         for it in meta.ready:
             self.endpoint.kv_ready(
                 it.key,
-                expand_blocks(it.block_ids, self.cache.ratio),
+                expand_group_ids(it.block_ids, self.cache.ratio),
                 it.num_tokens,
                 kv_written=barrier,
                 decode_engine_id=it.decode_engine_id,
@@ -108,18 +109,26 @@ class PrefillWorker(WorkerBase):
             rec.result = SendResult(it.key, False, (), f"transfer key {it.key!r} is in use")
             return
         assert self.endpoint is not None and self.cache is not None
+        blocks = expand_group_ids(it.block_ids, self.cache.ratio)
+        try:
+            self.endpoint.prefill_done(
+                it.key, blocks, it.num_tokens, kv_written=barrier, decode_engine_id=it.decode_engine_id
+            )
+        except LayoutError as exc:  # a table kvpush cannot read: this push fails, the engine goes on
+            rec.result = SendResult(it.key, False, (), str(exc))
+            self.sent_failed += 1
+            log.warning("kvpush: push of %s refused: %s", it.req_id, exc)
+            return
         self.by_key[it.key] = rec
         self.handoffs += 1
-        blocks = expand_blocks(it.block_ids, self.cache.ratio)
-        self.endpoint.prefill_done(
-            it.key, blocks, it.num_tokens, kv_written=barrier, decode_engine_id=it.decode_engine_id
-        )
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "kvpush P %s blocks %s sums %s",
                 it.key,
                 it.block_ids,
-                debug_checksums(self.kv_caches, blocks, it.num_tokens, self.cache.layout.block_size),
+                debug_checksums(
+                    self.kv_caches, first_table(blocks), it.num_tokens, self.cache.layout.block_size
+                ),
             )
 
     def collect(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:

@@ -16,6 +16,7 @@ from kvpush.backends.select import CacheSetup, setup_for_tensors
 from kvpush.config import LOOPBACK
 from kvpush.protocol.layout import KVLayout
 
+from .cache_groups import layout_groups
 from .layout_probe import (
     CPU_VIEW,
     RFC_VIEW,
@@ -123,21 +124,28 @@ def probe_kv_caches(
     kv_cache_config: Any = None,
 ) -> ProbedCache:
     """kv_cache_config: the connector's (vLLM passes it to connectors it constructs with one); its
-    KV cache groups decide whether a hybrid cache is refused."""
+    KV cache groups decide what is refused (hybrid caches, windows) and whether the cache holds MLA
+    latents (then one "head" per token, whatever the model's KV head count)."""
     rank = tensor_parallel_rank()
     backend, backend_cls = attention_backend(vllm_config, kv_caches)
     first = next(iter(kv_caches.values()))
+    features = features_from_vllm(vllm_config, kv_cache_config)
+    # MLA: one latent per token, replicated on every TP rank (not split by the model's KV heads)
+    total_kv_heads = 1 if features.mla else int(vllm_config.model_config.get_total_num_kv_heads())
     probed = probe_layout(
         kv_caches,
         block_size=settings.block_size,
-        total_kv_heads=int(vllm_config.model_config.get_total_num_kv_heads()),
+        total_kv_heads=total_kv_heads,
         tp_rank=rank,
         tp_size=settings.tp_size,
         model_tag=model_tag(vllm_config, settings.model_tag),
         declared=declared_layout(backend, backend_cls, first),
-        features=features_from_vllm(vllm_config, kv_cache_config),
+        features=features,
     )
     layout, ratio = probed.layout, probed.blocks_per_vllm_block
+    layer_group, group_window = layout_groups(features.groups, list(kv_caches))
+    if group_window:  # window or several groups: each layer's group, each group's kept window
+        layout = dataclasses.replace(layout, layer_group=layer_group, group_window=group_window)
     if backend == CPU_BACKEND:
         # vLLM's CPU kernels keep tokens inside a block in their own packed order: a partial block
         # cannot be cut by token, so blocks move whole (the plan rounds; block sizes must match).
@@ -151,7 +159,7 @@ def probe_kv_caches(
     mem_type = setup.mem_type
     log.warning(
         "kvpush: %s rank %d %s compat %s (%d layers, %d KV heads x %d, block %d tokens, %d B/block, "
-        "%s, %d kernel blocks per vLLM block of %d%s)",
+        "%s, %d kernel blocks per vLLM block of %d%s; KV-cache groups: %s)",
         settings.role,
         rank,
         mem_type,
@@ -165,6 +173,7 @@ def probe_kv_caches(
         ratio,
         settings.block_size,
         ", whole blocks" if layout.atomic_blocks else "",
+        ", ".join(g.describe() for g in features.groups) or "one",
     )
     if setup.hooks is not None:
         log.warning("kvpush: KV staged through host memory (%s)", setup.choice.reason)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from kvpush.endpoint import PrefillAddress
 
+from .block_table import GroupIds
+from .cache_groups import CacheGroup
 from .params import ConnectorSettings, KVTransferParams
 from .wake import IdleWaiter
 
@@ -30,13 +33,42 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpush.vllm")
 
 
+def window_backoff(groups: Sequence[CacheGroup]) -> int:
+    """Prompt tokens the prefill leaves for the decode to compute: 1 with a sliding-window group, else 0.
+
+    Why: a prefill that computed N tokens frees, when it finishes, every block before the window of
+    position N (vLLM keeps tokens N - window + 1 .. N - 1). A decode handed all N tokens recomputes
+    position N - 1, whose window reaches back to N - window: one token further. At N % block_size ==
+    block_size - 1 that token sits alone in a block the prefill has freed. So, as vLLM's own connector
+    does for Mamba, the prefill computes N - 1 tokens and the decode computes position N - 1 itself:
+    what the prefill keeps (N - window .. N - 2) is exactly what the decode's next position reads."""
+    return 1 if any(g.kind == "window" for g in groups) else 0
+
+
+def pushed_tokens(num_prompt_tokens: int, backoff: int) -> int:
+    """Prompt tokens whose KV the prefill pushes (both sides compute it from the prompt alone)."""
+    return num_prompt_tokens - backoff if num_prompt_tokens > backoff else num_prompt_tokens
+
+
+def cut_prompt(request: Request, backoff: int) -> None:
+    """Drop the last `backoff` prompt tokens of a prefill request (vLLM's Request fields), so it computes
+    and keeps KV for exactly `pushed_tokens` tokens; it then samples one token, as a prefill does."""
+    n = int(request.num_prompt_tokens)
+    if pushed_tokens(n, backoff) == n or request.prompt_token_ids is None:
+        return
+    del request.prompt_token_ids[-backoff:]
+    del request._all_token_ids[-backoff:]
+    request.num_prompt_tokens = n - backoff
+    request.max_tokens = 1
+
+
 @dataclass(frozen=True)
 class RecvItem:
     """Decode: register these blocks for this request's KV (worker calls DecodeEndpoint.expect)."""
 
     req_id: str  # vLLM's internal id
     key: str
-    block_ids: tuple[int, ...]
+    block_ids: GroupIds  # one table, or one per KV-cache group
     num_tokens: int
     prefill: PrefillAddress
 
@@ -49,7 +81,7 @@ class FailItem:
 
     req_id: str
     reason: str
-    block_ids: tuple[int, ...]
+    block_ids: GroupIds
 
 
 @dataclass(frozen=True)
@@ -66,7 +98,7 @@ class SendItem:
 
     req_id: str
     key: str
-    block_ids: tuple[int, ...]
+    block_ids: GroupIds  # one table, or one per KV-cache group
     num_tokens: int
     decode_engine_id: str = ""  # the decode the router named (kv_transfer_params); "" = not named
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.protocol.layout import KVLayout
 
+from .cache_groups import cache_groups
 from .params import ConnectorSettings
 from .probe import ProbedCache, probe_kv_caches
 from .stats import StatsPublisher, snapshot
@@ -72,7 +73,7 @@ class WorkerBase:
         return {}
 
     def snapshot(self) -> dict[str, Any]:
-        return snapshot(
+        out = snapshot(
             self.role,
             self.settings.config.engine_id,
             self.cache.rank if self.cache else 0,
@@ -81,6 +82,10 @@ class WorkerBase:
             self.outstanding(),
             self.endpoint_stats(),
         )
+        # vLLM's block (what its window groups free by) and its KV-cache groups, as vLLM declared them
+        out["vllm_block_size"] = self.settings.block_size
+        out["kv_cache_groups"] = [g.describe() for g in cache_groups(self.kv_cache_config)]
+        return out
 
     def take_vllm_stats(self) -> dict[str, Any] | None:
         """The change in this worker's counters since the last call, for vLLM's connector stats."""

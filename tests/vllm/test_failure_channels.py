@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.filterwarnings("ignore::DeprecationW
 with warnings.catch_warnings():  # vLLM imports torch, whose deprecation warnings are not ours to fix
     warnings.simplefilter("ignore", DeprecationWarning)
     from kvpush.endpoint import PrefillAddress
+    from kvpush.errors import LayoutError
     from kvpush.platforms.vllm import connector as connector_module
     from kvpush.platforms.vllm.connector import KVPushConnector
     from kvpush.platforms.vllm.decode_worker import DecodeWorker
@@ -35,7 +36,9 @@ class Endpoint:
         self.expected: list[str] = []
         self.results: list[Any] = []
 
-    def expect(self, key: str, blocks: list[int], num_tokens: int, prefill: PrefillAddress) -> None:
+    def expect(self, key: str, blocks: Any, num_tokens: int, prefill: PrefillAddress) -> None:
+        if key == "refused":
+            raise LayoutError(f"{key}: block 5 of the table is -1 (no block) but the window needs it")
         self.expected.append(key)
 
     def finished(self) -> list[Any]:
@@ -92,3 +95,24 @@ def test_from_vllm_0_32_failures_go_in_failed_recving_and_no_block_is_invalidate
     assert results.finished_recving == {"ok", "twin", "noaddr", "lost"}
     assert results.failed_recving == {"twin", "noaddr", "lost"}
     assert conn.get_block_ids_with_load_errors() == set()
+
+
+def test_a_table_the_endpoint_refuses_fails_that_request_and_not_the_engine():
+    """vLLM 0.29 allocated a window-group table without a block the window needs: expect() raises
+    LayoutError on the engine thread. That request fails (its real blocks invalid), the others go on."""
+    conn, endpoint = connector()
+    assert conn._worker is not None
+    table = ((1, 2, 3), (-1, -1, 4))
+    conn._worker.start_step(
+        KVPushConnectorMetadata(
+            expect=[
+                RecvItem("refused-1", "refused", table, 40, PREFILL),
+                RecvItem("ok", "k1", (5,), 10, PREFILL),
+            ]
+        )
+    )
+    assert endpoint.expected == ["k1"]
+    endpoint.results = [SimpleNamespace(request_id="k1", ok=True, nbytes=64, reason="", ready_at=0.0)]
+    sending, recving = conn.get_finished(set())
+    assert recving == {"refused-1", "ok"}
+    assert conn.get_block_ids_with_load_errors() == {1, 2, 3, 4}

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvpush.platforms.vllm.cache_groups import cache_groups, group_of_layers, layout_groups
 from kvpush.platforms.vllm.layout_probe import (
     CPU_VIEW,
     FLASH_ATTN_5D,
@@ -298,3 +299,95 @@ def test_heads_mismatch_and_null_address() -> None:
             tp_size=1,
             declared=NEURON_CUSTOM,
         )
+
+
+def _spec(name: str, **fields: Any) -> Any:
+    """A stand-in of a vLLM KV-cache spec: the probe reads its class name and attributes."""
+    return type(name, (), fields)()
+
+
+def _kv_cache_config(*groups: tuple[list[str], Any]) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(layer_names=names, kv_cache_spec=spec) for names, spec in groups]
+    )
+
+
+def test_cache_groups_read_kinds_and_windows_from_the_kv_cache_config() -> None:
+    cfg = _kv_cache_config(
+        (["l2", "l5"], _spec("FullAttentionSpec", num_kv_heads=2, head_size=64, sliding_window=None)),
+        (["l0", "l3"], _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)),
+        (["l1", "l4"], _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)),
+    )
+    groups = cache_groups(cfg)
+    assert [(g.kind, g.window) for g in groups] == [("full", 0), ("window", 64), ("window", 64)]
+    assert group_of_layers(groups, ["l0", "l1", "l2", "l3", "l4", "l5"]) == (1, 2, 0, 1, 2, 0)
+    with pytest.raises(LayoutError, match="belong to no KV-cache group"):
+        group_of_layers(groups, ["l0", "l9"])
+    # window layers merged into a full-attention group (hybrid manager off) keep every block: full
+    merged = cache_groups(_kv_cache_config((["l0"], _spec("FullAttentionSpec", sliding_window=64))))
+    assert (merged[0].kind, merged[0].window) == ("full", 0)
+    mla = cache_groups(_kv_cache_config((["l0"], _spec("MLAAttentionSpec", num_kv_heads=1, head_size=576))))
+    assert (mla[0].kind, mla[0].num_kv_heads, mla[0].head_size) == ("mla", 1, 576)
+    assert cache_groups(None) == ()
+
+
+def test_groups_and_windows_move_and_unknown_kinds_are_refused_by_group() -> None:
+    """With vLLM's KV-cache config the groups are known: full and window groups move (one table each),
+    a group of another kind is refused naming it; without the config a window or several groups are
+    refused (nothing says which layers they hold)."""
+    cfg = SimpleNamespace(model_config=SimpleNamespace(get_sliding_window=lambda: 64))
+    hybrid = _kv_cache_config(
+        (["l2"], _spec("FullAttentionSpec", num_kv_heads=2, head_size=64)),
+        (["l0"], _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)),
+        (["l1"], _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)),
+    )
+    f = features_from_vllm(cfg, hybrid)
+    assert f.num_kv_cache_groups == 3 and not f.mla
+    assert [g.describe() for g in f.groups] == ["full attention", "window 64", "window 64"]
+    f.refuse_unsupported()
+    mamba = _kv_cache_config(
+        (["l0"], _spec("FullAttentionSpec")), (["l1"], _spec("MambaSpec", num_kv_heads=0, head_size=0))
+    )
+    with pytest.raises(LayoutError, match=r"KV-cache group 1 is a MambaSpec, a cache kvpush does not know"):
+        features_from_vllm(SimpleNamespace(), mamba).refuse_unsupported()
+    with pytest.raises(LayoutError, match=r"sliding-window attention \(window 64\) without vLLM's KV-cache"):
+        features_from_vllm(cfg).refuse_unsupported()
+    # a model config window whose layers vLLM keeps in a full-attention group is not refused
+    full = _kv_cache_config((["l0"], _spec("FullAttentionSpec", sliding_window=64)))
+    features_from_vllm(cfg, full).refuse_unsupported()
+
+
+def test_mla_latent_is_one_replicated_head_whatever_the_model_config_says() -> None:
+    """vLLM >= 0.32 hands the CPU_MLA cache as a [B, 1, N, 576] view. The model config names 4 KV heads;
+    the KV-cache config's MLA group makes it one latent head, on every TP rank (replicated)."""
+    mla = _kv_cache_config((["l0", "l1"], _spec("MLAAttentionSpec", num_kv_heads=1, head_size=576)))
+    features = features_from_vllm(SimpleNamespace(), mla)
+    assert features.mla
+    caches = {f"l{i}": torch.zeros(6, 1, 16, 576, dtype=torch.float32) for i in range(2)}
+    declared = declared_layout("CPU_MLA", None, caches["l0"])
+    assert declared == RFC_VIEW
+    with pytest.raises(LayoutError, match="hold 1 heads per rank"):  # what happened before: 4 heads
+        probe_layout(caches, block_size=16, total_kv_heads=4, tp_rank=0, tp_size=1, declared=declared)
+    for tp_rank, tp_size in ((0, 1), (1, 2)):
+        lay = probe_layout(
+            caches, block_size=16, total_kv_heads=1, tp_rank=tp_rank, tp_size=tp_size, declared=declared
+        ).layout
+        assert (lay.num_kv_heads, lay.total_kv_heads, lay.kv_per_layer, lay.head_dim) == (1, 1, 1, 576)
+        assert lay.dtype_size == 4 and not lay.atomic_blocks
+        _check_addresses(lay, list(caches.values()), lambda kv, b, n, h: (b, h, n))
+
+
+def test_layout_groups_keep_window_minus_one_tokens_and_leave_one_full_group_as_before() -> None:
+    full = _spec("FullAttentionSpec", num_kv_heads=2, head_size=64)
+    window = _spec("SlidingWindowSpec", num_kv_heads=2, head_size=64, sliding_window=64)
+    hybrid = cache_groups(_kv_cache_config((["l2"], full), (["l0", "l3"], window), (["l1"], window)))
+    assert layout_groups(hybrid, ["l0", "l1", "l2", "l3"]) == ((1, 2, 0, 1), (0, 63, 63))
+    assert layout_groups(cache_groups(_kv_cache_config((["l0", "l1"], window))), ["l0", "l1"]) == (
+        (0, 0),
+        (63,),
+    )
+    assert layout_groups(cache_groups(_kv_cache_config((["l0"], full))), ["l0"]) == ((), ())
+    assert layout_groups((), ["l0"]) == ((), ())
+    one = _spec("SlidingWindowSpec", sliding_window=1)
+    with pytest.raises(LayoutError, match="sliding window 1"):
+        layout_groups(cache_groups(_kv_cache_config((["l0"], full), (["l1"], one))), ["l0", "l1"])

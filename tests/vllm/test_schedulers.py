@@ -82,7 +82,7 @@ PREFILL_AT = {"remote_engine_id": "prefill-0", "remote_host": "10.0.0.9", "remot
 
 # ---- prefill ---------------------------------------------------------------------------------------
 def prefill(table: dict[str, list[int]]) -> PrefillScheduler:
-    return PrefillScheduler(settings("prefill"), lambda rid: table[rid])
+    return PrefillScheduler(settings("prefill"), lambda rid: (table[rid],))  # one KV-cache group
 
 
 def test_prefill_hands_a_prompt_over_in_the_step_that_completes_it_and_holds_its_blocks():
@@ -158,10 +158,10 @@ def test_prefill_request_dropped_before_allocation_tells_the_decode():
 def test_manager_or_table_reads_the_bound_manager_and_else_the_table():
     table = {"r": [7, 8]}
     bound: list[Any] = [None]
-    source = manager_or_table(lambda: bound[0], lambda rid: table[rid])
-    assert list(source("r")) == [7, 8]  # vLLM < 0.32: no manager bound
-    bound[0] = SimpleNamespace(get_block_ids=lambda rid: ([3, 4],))
-    assert list(source("r")) == [3, 4]  # vLLM >= 0.32
+    source = manager_or_table(lambda: bound[0], lambda rid: (table[rid],))
+    assert [list(g) for g in source("r")] == [[7, 8]]  # vLLM < 0.32: no manager bound
+    bound[0] = SimpleNamespace(get_block_ids=lambda rid: ([3, 4], [5, 6]))
+    assert [list(g) for g in source("r")] == [[3, 4], [5, 6]]  # vLLM >= 0.32, every group
 
 
 def test_prefill_without_a_manager_reads_blocks_from_the_scheduler_outputs():
@@ -173,10 +173,10 @@ def test_prefill_without_a_manager_reads_blocks_from_the_scheduler_outputs():
     sched.update_state_after_alloc(req, blocks(1, 2), 0)
     sched.update_state_after_alloc(other, blocks(9), 0)
     meta = sched.build_connector_meta(step({"a": 16, "b": 4}, new={"a": [1, 2], "b": [9]}))
-    assert not meta.send and sched.table.ids == {"a": [1, 2]}  # only requests it pushes are kept
+    assert not meta.send and sched.table.ids == {"a": [[1, 2]]}  # only requests it pushes are kept
     req.num_computed_tokens = 16
     sched.build_connector_meta(step({"a": 16}, added={"a": [3], "b": None}))
-    assert sched.table.ids["a"] == [1, 2, 3]
+    assert sched.table.ids["a"] == [[1, 2, 3]]
     # preempted and resumed with new blocks: the table is replaced, not appended to
     req.num_computed_tokens = 0
     sched.build_connector_meta(step({"a": 32}, added={"a": [5, 6, 7]}, resumed={"a"}))
