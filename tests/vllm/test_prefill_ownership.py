@@ -55,7 +55,7 @@ class Bed:
             "prefill", "P", {"idle_wait_ms": 0}, block_size=BLOCK, tp_size=1, pp_size=1
         )
         self.table: dict[str, list[int]] = {}
-        self.sched = PrefillScheduler(settings, lambda rid: self.table[rid])
+        self.sched = PrefillScheduler(settings, lambda rid: (self.table[rid],))  # one KV-cache group
         self.worker = PrefillWorker(settings, None)  # type: ignore[arg-type]  # no vLLM config needed
         self.worker.endpoint = self.endpoint
         self.worker.cache = SimpleNamespace(  # type: ignore[assignment]

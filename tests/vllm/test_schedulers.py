@@ -219,7 +219,7 @@ def streaming_prefill(table: dict[str, list[int]]) -> PrefillScheduler:
     s = ConnectorSettings.from_extra(
         "prefill", "prefill-0", {**EXTRA, "stream": True}, block_size=BLOCK, tp_size=2, pp_size=1
     )
-    return PrefillScheduler(s, lambda rid: table[rid])
+    return PrefillScheduler(s, lambda rid: (table[rid],))  # one KV-cache group
 
 
 def test_streaming_prefill_reports_each_chunk_then_hands_the_prompt_over():
