@@ -146,7 +146,9 @@ class EndpointThread(TransferThread, Generic[R]):
         self._transport_source = transport
         self._next_tick = 0.0
         self.ledger = Ledger(self.role, config.engine_id, layout.rank)
-        self.results: queue.SimpleQueue[R] = queue.SimpleQueue()
+        # None, last: the thread ended and every result it reported on the way down is in the queue
+        self.results: queue.SimpleQueue[R | None] = queue.SimpleQueue()
+        self.reported_all = False
         self.result_event = threading.Event()
         self.result_listener: Callable[[], None] | None = None
         self.init_role()
@@ -186,6 +188,10 @@ class EndpointThread(TransferThread, Generic[R]):
             return False
         self._next_tick = now + self.config.pacing.idle_poll_s / 2
         return True
+
+    def wound_down(self) -> None:
+        self.results.put(None)
+        self.result_event.set()
 
     def put_result(self, result: R) -> None:
         self.results.put(result)
@@ -261,10 +267,14 @@ class Endpoint(Generic[R]):
     def finished(self) -> list[R]:
         """Results since the last call. Once the endpoint is closed or its thread died, the results it
         reported on the way down are still handed out; after that, EndpointClosed."""
-        self._worker.result_event.clear()
-        out = _drain(self._worker.results)
-        if not out:
-            self._worker.alive_or_raise()
+        w = self._worker
+        w.result_event.clear()
+        got = _drain(w.results)
+        out = [r for r in got if r is not None]
+        w.reported_all = w.reported_all or len(out) < len(got)
+        if not out and (w.fatal is None or w.reported_all):
+            # a dead thread's teardown may still be reporting: raise only once all of it was handed out
+            w.alive_or_raise()
         return out
 
     def wait_any(self, timeout: float) -> list[R]:
@@ -324,8 +334,8 @@ def stream_table(layout: KVLayout, request_id: str, block_ids: TableArg, num_tok
     return table
 
 
-def _drain(q: queue.SimpleQueue[R]) -> list[R]:
-    out: list[R] = []
+def _drain(q: queue.SimpleQueue[R | None]) -> list[R | None]:
+    out: list[R | None] = []
     while True:
         try:
             out.append(q.get_nowait())

@@ -247,11 +247,14 @@ class ReceiveThread(EndpointThread[RecvResult]):
     def _on_hello_reply(self, peer: PrefillPeer, msg: Hello, now: float) -> None:
         try:
             # the prefill's TP is bounded before any request's work grows with it (senders_for per expect)
-            check_peer_tp(
-                check_peer_hello(self.layout, msg, prefill_side=False), self.config.limits.max_peer_tp
-            )
+            peer_layout = check_peer_hello(self.layout, msg, prefill_side=False)
+            check_peer_tp(peer_layout, self.config.limits.max_peer_tp)
+            self.conns.check_stages(peer, peer_layout, self.layout.global_layers)
         except LayoutError as exc:
             peer.error = str(exc)
+            backlog, peer.backlog = peer.backlog, []  # never sent: those attempts fail now, by name
+            for item in backlog:
+                self._apply(self._refused(peer, item))
             return
         if peer.instance and peer.instance != msg.instance:
             # a new process answers at the old one's address: the old one is gone, and so are its WRITEs
@@ -316,6 +319,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
         peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
         repeat = isinstance(act, SendAbort) and act.repeat
         if peer.session is None:
+            if peer.error:
+                return self._refused(peer, act.message)
             if repeat:
                 return []  # a resend: the next one goes out once the handshake is done
             if len(peer.backlog) >= MAX_BACKLOG:
@@ -342,6 +347,12 @@ class ReceiveThread(EndpointThread[RecvResult]):
                 return []
             return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
         return []
+
+    def _refused(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+        """The rank refused the pairing: nothing can be registered there, so the attempt fails now, by name."""
+        if isinstance(msg, Abort):
+            return []  # nothing was registered there to stop
+        return self._failed_send(msg, peer.rank, f"{peer.origin} refused: {peer.error}", Failure.REFUSED)
 
     def _failed_send(
         self, msg: Registration | Abort, rank: int, reason: str, kind: Failure

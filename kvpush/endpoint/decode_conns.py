@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -21,6 +22,8 @@ import zmq
 from ..config import KVPushConfig
 from ..errors import TransportError, WireError
 from ..protocol.handshake import AuthMismatch, Session, hello_frame, memory_of, open_hello, without_memory
+from ..protocol.layout import KVLayout
+from ..protocol.tp import check_stage, check_stage_coverage
 from ..protocol.wire import PLAIN, Abort, Codec, ErrorReply, Hello, Message, Ping, Registration, split_frame
 from .base import PrefillAddress
 from .control import ControlChannel, ControlPlane
@@ -186,6 +189,22 @@ class PrefillConnections:
         except WireError:
             return None
         return msg if isinstance(msg, ErrorReply) else None
+
+    def check_stages(self, peer: PrefillPeer, layout: KVLayout, decode_layers: Sequence[int]) -> None:
+        """LayoutError unless the answering rank is the stage and TP rank its address names and, once a
+        rank of every stage in its TP column has answered, the stages together hold every decode layer
+        once: each stage alone passes check_compatible, yet a gap would leave a layer unwritten."""
+        tp, pp = peer.address.tp_size, peer.address.pp_size
+        check_stage(layout, peer.rank, tp, pp)
+        stages = {peer.rank // tp: layout.global_layers}
+        for stage in range(pp):
+            other = self.prefills.get((peer.address.engine_id, stage * tp + peer.rank % tp))
+            if stage not in stages and other is not None and other.hello is not None and other.session:
+                stages[stage] = tuple(other.hello.layout.layer_ids) or tuple(
+                    range(other.hello.layout.num_layers)
+                )
+        if len(stages) == pp:
+            check_stage_coverage(decode_layers, stages)
 
     def heard(self, peer: PrefillPeer, clock: float, now: float) -> None:
         peer.last_heard = now

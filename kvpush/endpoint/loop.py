@@ -143,6 +143,9 @@ class TransferThread:
     # subclass hooks -----------------------------------------------------------------------------
     def setup(self) -> None: ...
     def teardown(self) -> None: ...
+    def wound_down(self) -> None:
+        """The thread's last act, after teardown reported everything it had to."""
+
     def step(self, now: float) -> bool:
         """One round of I/O; True if anything happened (keeps the loop in busy mode)."""
         raise NotImplementedError
@@ -183,6 +186,7 @@ class TransferThread:
                 self.teardown()
             except Exception:
                 log.exception("kvpush thread %s: teardown failed", self.name)
+            self.wound_down()
 
     def _loop(self) -> None:
         fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s

@@ -363,7 +363,7 @@ class PushThread(EndpointThread[SendResult]):
         started = self.prefill_done_at.pop(act.request_id, None)
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)
-        self.ledger.finished(act.ok, None if started is None else now - started, act.kind)
+        self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
         marks = self.timeline.pop(act.request_id, {})
         if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
             live = set(self.state.pending())

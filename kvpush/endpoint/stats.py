@@ -67,6 +67,7 @@ class Count(enum.Enum):
     NUDGES = "nudges"
     PREPARED_LISTS = "prepared_lists"  # descriptor lists prepared at handshake (two per pair)
     PREPARED_DESCRIPTORS = "prepared_descriptors"  # descriptors the data plane holds in them
+    OWED_NOTHING = "owed_nothing"  # prefill_done on a rank that owes no decode rank KV (never `ok`)
 
 
 class High(enum.Enum):
@@ -131,6 +132,8 @@ class Counters:
     # strided lists (NIXL >= 1.5), one per unit where it does not (NIXL 1.3.x expands them)
     prepared_lists: int = 0
     prepared_descriptors: int = 0
+    # requests released at once, ok, by a prefill rank that owes no decode rank KV (replicated heads)
+    owed_nothing: int = 0
 
 
 class Ledger:
@@ -156,9 +159,19 @@ class Ledger:
         if value > getattr(self.counters, mark.value):
             setattr(self.counters, mark.value, value)
 
-    def finished(self, ok: bool, latency_s: float | None = None, failure: Failure | None = None) -> None:
+    def finished(
+        self,
+        ok: bool,
+        latency_s: float | None = None,
+        failure: Failure | None = None,
+        owed_nothing: bool = False,
+    ) -> None:
         """A request finished; a failed one is labelled by its kind (a failure without one: `unknown`).
-        latency_s: prefill_done -> WRITEs complete on a prefill, expect -> KV ready on a decode."""
+        latency_s: prefill_done -> WRITEs complete on a prefill, expect -> KV ready on a decode.
+        owed_nothing: a prefill rank had nothing to write; counted on its own, neither ok nor failed."""
+        if owed_nothing:
+            self.add(Count.OWED_NOTHING)
+            return
         self.add(Count.OK if ok else Count.FAILED)
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:

@@ -168,7 +168,7 @@ class KVLayout:
             if len(self.layer_ids) != n:
                 raise LayoutError(f"layer_ids names {len(self.layer_ids)} layers; the layout has {n}")
             if min(self.layer_ids) < 0 or len(set(self.layer_ids)) != n:
-                raise LayoutError(f"layer_ids must be distinct and >= 0, got {_span(self.layer_ids)}")
+                raise LayoutError(f"layer_ids must be distinct and >= 0, got {span_text(self.layer_ids)}")
         if self.layer_group and len(self.layer_group) != n:
             raise LayoutError(f"layer_group names {len(self.layer_group)} layers; the layout has {n}")
         if len(self.group_window) > MAX_GROUPS:
@@ -213,7 +213,7 @@ class KVLayout:
                 return global_layer
         elif global_layer in self._layer_index:
             return self._layer_index[global_layer]
-        raise LayoutError(f"layout holds no layer {global_layer} (it holds {_span(self.global_layers)})")
+        raise LayoutError(f"layout holds no layer {global_layer} (it holds {span_text(self.global_layers)})")
 
     @property
     def rank(self) -> int:
@@ -375,7 +375,7 @@ def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLay
     return layout.with_memory((region,), planes)
 
 
-def _span(layers: Sequence[int]) -> str:
+def span_text(layers: Sequence[int]) -> str:
     """Layer ids in words, ranges folded: (0, 1, 2, 3, 8) -> "0-3, 8"."""
     out: list[str] = []
     for _, run in itertools.groupby(enumerate(sorted(layers)), lambda p: p[1] - p[0]):
@@ -410,8 +410,8 @@ def check_compatible(src: KVLayout, dst: KVLayout) -> None:
     if missing:
         stage = f"prefill stage {src.pp_rank} layers" if src.pp_size > 1 else "prefill layers"
         raise LayoutError(
-            f"layout mismatch: {stage} {_span(src.global_layers)} not all held by the decode "
-            f"(it holds {_span(dst.global_layers)}; missing {_span(sorted(missing))})"
+            f"layout mismatch: {stage} {span_text(src.global_layers)} not all held by the decode "
+            f"(it holds {span_text(dst.global_layers)}; missing {span_text(sorted(missing))})"
         )
     if src.num_groups != dst.num_groups:
         raise LayoutError(

@@ -42,7 +42,7 @@ from .sender_table import RankEvent as RankEvent
 from .sender_table import SendPhase as SendPhase
 from .sender_table import sender_transition as sender_transition
 from .table import IGNORE as IGNORE
-from .tp import HeadRange, receivers_for, senders_for
+from .tp import HeadRange, owes_nothing, receivers_for, senders_for
 from .wire import Abort, Registration
 
 
@@ -67,6 +67,7 @@ class SenderState(RangePosting):
         self.tombstone_s = tombstone_s
         self.num_layers = num_layers
         self.stream = stream if stream is not None else StreamPolicy()
+        self.owes_nothing = owes_nothing(prefill_rank, prefill_tp, total_kv_heads)
         self._entries: dict[str, Entry] = {}
         self._tombstones = Tombstones(tombstone_s, abort_tombstones_per_engine)
 
@@ -152,7 +153,10 @@ class SenderState(RangePosting):
     ) -> list[SenderAction]:
         """The source KV is computed. `decode_engine_id`, when the prefill engine knows it (the router told
         it where the decode runs), makes that engine the owner: an earlier claim by another engine is
-        refused and dropped, and another engine's abort of the id is ignored."""
+        refused and dropped, and another engine's abort of the id is ignored. A rank that owes nothing
+        gives the blocks back at once, ok: no decode will ever register with it."""
+        if self.owes_nothing:
+            return [ReleaseSource(request_id, block_ids, True, 0, owed_nothing=True)]
         tomb = self._tombstones.get(request_id)
         if tomb is not None and request_id not in self._entries:
             if not (decode_engine_id and foreign(tomb.owner, decode_engine_id)):
@@ -196,7 +200,7 @@ class SenderState(RangePosting):
         """Streamed push: the first `num_tokens` tokens of `layers` (None: all) are computed into
         `block_ids` (a prefix of prefill_done's table). Ready ranges are posted as the policy allows.
         prefill_done stays the terminal call, after an abort too: its release waits for every WRITE."""
-        if request_id not in self._entries and request_id in self._tombstones:
+        if self.owes_nothing or (request_id not in self._entries and request_id in self._tombstones):
             return []  # finished or aborted already: prefill_done (if it comes) answers
         entry = self._entries.get(request_id)
         if entry is None:
@@ -409,6 +413,8 @@ class SenderState(RangePosting):
         return told
 
     def _refuse_registration(self, reg: Registration) -> str:
+        if self.owes_nothing:
+            return f"prefill rank {self.rank} owes no decode rank KV: a lower rank writes every head it holds"
         try:
             owners = senders_for(reg.decode_rank, reg.decode_tp, self.tp, self.total_kv_heads)
         except ValueError as exc:

@@ -65,6 +65,8 @@ class ReleaseSource:
     nbytes: int
     reason: str = ""
     kind: Failure | None = field(default=None, compare=False)  # None when ok
+    # ok without a WRITE: a lower prefill rank writes every head this rank holds (tp.owes_nothing)
+    owed_nothing: bool = False
 
 
 SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource

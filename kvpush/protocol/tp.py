@@ -10,8 +10,10 @@ Both maps cost O(heads involved), never O(TP size): the TP a peer declares in it
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from ..errors import LayoutError
-from .layout import KVLayout, heads_of_rank
+from .layout import KVLayout, heads_of_rank, span_text
 
 HeadRange = tuple[int, int]
 MAX_STAGES = 256  # prefill pipeline stages a decode waits on
@@ -86,3 +88,48 @@ def stage_senders(
     return {
         stage * prefill_tp + r: heads for stage in range(prefill_pp) for r, heads in sorted(per_stage.items())
     }
+
+
+def owes_nothing(prefill_rank: int, prefill_tp: int, total_kv_heads: int) -> bool:
+    """True when a lower prefill rank holds (and writes) every head this rank holds: MLA's replicated latent
+    or replicated GQA heads on ranks past the first copy. It owes no decode rank anything, whatever the
+    decode's TP (the writer of a head is chosen by prefill TP alone), so no decode ever registers with it."""
+    lo, hi = heads_of_rank(prefill_rank, prefill_tp, total_kv_heads)
+    return all(_owner(head, prefill_tp, total_kv_heads) != prefill_rank for head in range(lo, hi))
+
+
+def check_stage(peer: KVLayout, rank: int, prefill_tp: int, prefill_pp: int) -> None:
+    """LayoutError unless the prefill rank that answered at global rank `rank` is the one the decode was
+    told about (a PrefillAddress with prefill_tp x prefill_pp ranks): a stage left out of the address
+    leaves its layers unwritten, yet each stage alone passes check_compatible."""
+    if peer.pp_size != prefill_pp or peer.tp_size != prefill_tp:
+        raise LayoutError(
+            f"prefill rank {rank} runs PP {peer.pp_size} x TP {peer.tp_size}, but the decode was given "
+            f"PP {prefill_pp} x TP {prefill_tp} (PrefillAddress.pp_size / tp_size): a stage left out "
+            "would leave its layers unwritten"
+        )
+    if peer.rank != rank:
+        raise LayoutError(
+            f"prefill rank {rank} answered as stage {peer.pp_rank} rank {peer.tp_rank} (global rank "
+            f"{peer.rank}): its ports are numbered otherwise"
+        )
+
+
+def check_stage_coverage(decode_layers: Sequence[int], stages: Mapping[int, Sequence[int]]) -> None:
+    """LayoutError unless the prefill stages (stage -> the model layers it holds) hold every decode layer
+    exactly once: a layer no stage holds would be reported ready unwritten, one held twice written twice."""
+    owner: dict[int, int] = {}
+    for stage, layers in sorted(stages.items()):
+        for layer in layers:
+            if layer in owner:
+                raise LayoutError(
+                    f"layout mismatch: layer {layer} is held by prefill stages {owner[layer]} and {stage}"
+                )
+            owner[layer] = stage
+    missing = sorted(set(decode_layers) - set(owner))
+    if missing:
+        held = "; ".join(f"stage {s} holds {span_text(ls)}" for s, ls in sorted(stages.items()))
+        raise LayoutError(
+            f"layout mismatch: no prefill stage holds decode layers {span_text(missing)} ({held}): "
+            "they would stay unwritten"
+        )

@@ -14,6 +14,7 @@ import pytest
 from kvpush.apps.ports import free_port_range
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.errors import PeerRefused
 from kvpush.protocol.groups import HOLE, window_token_range
 from kvpush.protocol.layout import KVLayout, blocks_for
 from kvpush.protocol.tp import stage_senders
@@ -116,4 +117,88 @@ def test_cache_kind_over_nixl(kind, geo, p_tp, d_tp, pp, n):
             assert wrong.size == 0, f"{kind}: {wrong.size} wrong bytes on decode rank {lay.tp_rank}"
     finally:
         for ep in de + pe:
+            ep.close()
+
+
+def _pp_pair(stage_layers, addr_pp):
+    """PP prefill endpoints (one per stage, TP 1) holding `stage_layers`, and a 4-layer decode."""
+    p_layouts = [
+        placed(KVLayout(**dict(PP, num_layers=len(ids), num_blocks=64, layer_ids=ids, pp_rank=s, pp_size=2)))
+        for s, ids in enumerate(stage_layers)
+    ]
+    d_layout = placed(KVLayout(**dict(PP, num_blocks=64)))
+    port = free_port_range(2)
+    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=20.0, ready_timeout_s=30.0))
+    dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
+    pe = [PrefillEndpoint(pcfg, lay) for lay, _ in p_layouts]
+    de = DecodeEndpoint(dcfg, d_layout[0])
+    for ep in [*pe, de]:
+        ep.start()
+    return pe, de, PrefillAddress("P", "127.0.0.1", port, 1, addr_pp)
+
+
+def test_pp_stages_that_leave_a_decode_layer_unheld_are_refused_by_name():
+    """Stage 0 holds layers 0-1, stage 1 only layer 3: each passes check_compatible alone, yet layer 2
+    would stay unwritten. A request expected without connect() fails by name (it used to be Ready with
+    layer 2 unwritten); connect() raises PeerRefused naming the missing layer."""
+    pe, de, addr = _pp_pair([(0, 1), (3,)], 2)
+    try:
+        de.expect("r", tuple(range(4)), 50, addr)
+        for ep in pe:
+            ep.prefill_done("r", tuple(range(4)), 50)
+        got = _wait([de], timeout=20.0)
+        assert got and not got[0].ok, got
+        assert "no prefill stage holds decode layers 2" in got[0].reason, got[0].reason
+        with pytest.raises(PeerRefused, match=r"no prefill stage holds decode layers 2 \(stage 0 holds 0-1"):
+            de.connect(addr, timeout=10.0)
+    finally:
+        for ep in [de, *pe]:
+            ep.close()
+
+
+def test_a_pp_prefill_addressed_with_a_stage_missing_is_refused_at_connect():
+    """A PP 2 prefill whose address says pp_size 1: the decode would wait for stage 0 only and report layers
+    2-3 ready unwritten; connect() refuses the pairing by name instead."""
+    pe, de, addr = _pp_pair([(0, 1), (2, 3)], 1)
+    try:
+        with pytest.raises(PeerRefused, match=r"runs PP 2 x TP 1, but the decode was given PP 1 x TP 1"):
+            de.connect(addr, timeout=10.0)
+    finally:
+        for ep in [de, *pe]:
+            ep.close()
+
+
+def test_an_mla_prefill_rank_that_owes_nothing_releases_at_once_ok():
+    """MLA TP 2 -> 1: rank 1 holds a copy of the latent that rank 0 writes, so no decode registers with it.
+    Its prefill_done comes back at once (not after lease_s), ok with 0 bytes, counted as owed_nothing and
+    neither ok nor failed; rank 0 pushes as before, byte-exact."""
+    p_layouts = [placed(KVLayout(**dict(MLA, num_blocks=64, tp_rank=r, tp_size=2))) for r in range(2)]
+    d_lay, d_buf = placed(KVLayout(**dict(MLA, num_blocks=64)))
+    port = free_port_range(2)
+    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=20.0, ready_timeout_s=30.0))
+    dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
+    pe = [PrefillEndpoint(pcfg, lay) for lay, _ in p_layouts]
+    de = DecodeEndpoint(dcfg, d_lay)
+    n, src, dst = 40, (30, 3, 9), (11, 0, 15)
+    try:
+        for ep in [*pe, de]:
+            ep.start()
+        for lay, buf in p_layouts:
+            fill(buf, lay, (src,), n, 5)
+        t0 = time.monotonic()
+        pe[1].prefill_done("r", src, n, decode_engine_id="D")
+        (res,) = _wait([pe[1]], timeout=5.0).values()
+        assert time.monotonic() - t0 < 5.0 and res.ok and res.nbytes == 0 and res.block_ids == src, res
+        stats = pe[1].stats()
+        assert (stats["owed_nothing"], stats["ok"], stats["failed"]) == (1, 0, 0), stats
+        addr = PrefillAddress("P", "127.0.0.1", port, 2)
+        de.connect(addr)
+        de.expect("r", dst, n, addr)
+        pe[0].prefill_done("r", src, n, decode_engine_id="D")
+        got, sent = _wait([de]), _wait([pe[0]])
+        assert got[0].ok and sent[0].ok and sent[0].nbytes > 0, (got, sent)
+        want = expected(d_lay, (dst,), n, 5, d_lay.kv_heads, set(range(3)), align=16)
+        assert np.flatnonzero(d_buf != want).size == 0
+    finally:
+        for ep in [de, *pe]:
             ep.close()

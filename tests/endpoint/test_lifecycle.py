@@ -4,6 +4,7 @@ reports every live request, and the engine's barrier and the backend hooks run o
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,7 +65,11 @@ def test_in_memory_control_plane_carries_a_whole_request(pair):
     assert np.array_equal(src.block_view(1, 1, 10), dst.block_view(1, 1, 4))
 
 
-def test_a_dead_decode_thread_fails_its_live_requests_then_every_call_raises(pair):
+@pytest.mark.parametrize("teardown_delay", [0.0, 0.3])
+def test_a_dead_decode_thread_fails_its_live_requests_then_every_call_raises(pair, teardown_delay):
+    """teardown_delay: the dying thread is slow to report (a loaded box): finished() must neither raise
+    before the results it reports on the way down were handed out, nor return them twice. It used to
+    raise as soon as the thread was marked dead, before its teardown had queued anything."""
     hub, src, dst, p, d, addr = pair
     d.expect("live", [1, 2], 8, addr)
     until(lambda: [1] if d.stats()["pending"] else [])
@@ -72,6 +77,13 @@ def test_a_dead_decode_thread_fails_its_live_requests_then_every_call_raises(pai
     def boom():
         raise RuntimeError("injected crash in the receive loop")
 
+    teardown = d._recv.teardown
+
+    def slow_teardown():
+        time.sleep(teardown_delay)
+        teardown()
+
+    d._recv.teardown = slow_teardown
     d._recv.transport.drain_notifs = boom  # the next loop round raises on the transfer thread
     [failed] = until(d.finished)  # reported once, on the way down: blocks 1, 2 can be reused
     assert not failed.ok and failed.block_ids == (1, 2) and "died" in failed.reason

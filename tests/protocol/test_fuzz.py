@@ -91,7 +91,18 @@ def test_the_cli_runner_reports_zero_crashes():
     assert report["cases"] == 3000
     assert report["crashes"] == 0, report
     assert sum(report["errors_by_kind"].values()) + report["decoded"] == 3000
-    # the wire v3 envelope is fuzzed too, and its refusals are reported by kind
+    # the wire v4 envelope is fuzzed too, and its refusals are reported by kind
     assert report["envelope_changed"] >= 300, report["envelope_changed"]
     kinds = " ".join(report["errors_by_kind"])
     assert "unsupported wire version" in kinds and "unknown message kind" in kinds, kinds
+    # wire v4's fields (group_sizes, -1 holes, layer ids, groups, windows, PP stage) get past the codec
+    # into the layout and block-table checks, which refuse by name; some edits pass every check
+    assert report["fields_edited"] >= 600 and report["checked"] >= 30, report
+    for kind in (
+        "layer_ids names",  # a Hello's layer_ids of another length than its layers
+        "layout mismatch layer",  # a layer in another KV-cache group than the decode's
+        "runs PP",  # a stage the address does not name
+        "block # of the",  # a -1 hole where the window needs tokens
+        "invalid Registration",  # group_sizes that do not add up, or out of range
+    ):
+        assert kind in kinds, (kind, kinds)
