@@ -173,7 +173,7 @@ def test_hybrid_groups_are_refused_with_the_connectors_kv_cache_config(
     monkeypatch.setattr("kvpush.platforms.vllm.probe.check_neuron_connector", lambda *a, **k: None)
     settings = _settings("prefill", "192.0.2.7")
     hybrid = SimpleNamespace(kv_cache_groups=[object(), object()])
-    with pytest.raises(LayoutError, match=r"hybrid KV cache \(2 KV cache groups\)"):
+    with pytest.raises(LayoutError, match=r"hybrid KV cache \(2 KV cache groups, 2 without a spec"):
         probe_kv_caches(settings, _vllm_config(), neuron_kv, hybrid)
     probe_kv_caches(settings, _vllm_config(), neuron_kv, SimpleNamespace(kv_cache_groups=[object()]))
 
