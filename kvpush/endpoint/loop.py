@@ -4,7 +4,9 @@ Engine-facing calls put a command on a queue and ring a doorbell (a pipe), then 
 everything else: it reads the side channel, feeds the sans-IO state machines, posts WRITEs and drives them
 to completion itself (so decode-ready never waits for the engine's next step), drains NIXL notifications,
 and ticks the clock. While work is in flight it sleeps `busy_poll_s` between rounds; when idle it blocks on
-the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint costs almost no CPU.
+the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint costs almost no CPU. With
+`spin_s` it first keeps the busy cadence that long after its last activity (a request's second event often
+follows its first closely, and a thread woken from a block starts slow).
 
 Death is sticky: if the thread's loop raises, `fatal` holds the exception, the subclass's teardown still
 runs (it fails what is live), and every later engine-facing call raises EndpointClosed from it.
@@ -186,7 +188,9 @@ class TransferThread:
 
     def _loop(self) -> None:
         fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s
+        spin = self.config.pacing.spin_s
         nap = fast
+        active = 0.0  # when a command or a round last did something (the spin window counts from here)
         while not self._stop.is_set():
             while True:
                 try:
@@ -195,8 +199,11 @@ class TransferThread:
                     break
                 cmd()
                 nap = fast
-            if self.step(time.monotonic()):
+                active = time.monotonic()
+            now = time.monotonic()
+            if self.step(now):
                 nap = fast
+                active = now
                 continue
             if self.busy():
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
@@ -209,6 +216,8 @@ class TransferThread:
                 # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
                 # when we poll); back off only while nothing of ours is on the wire
                 nap = fast if self.in_flight() else min(nap * 2, slowest)
+            elif spin and now - active < spin:
+                time.sleep(fast)  # the spin window: the next command or message is picked up warm
             else:
                 self.poller.poll(self.idle_wait_ms())
                 self.doorbell.clear()
