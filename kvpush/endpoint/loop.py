@@ -45,8 +45,10 @@ class Doorbell:
             os.write(self.write_fd, b"x")
 
     def clear(self) -> None:
+        """Empty the pipe, in one read when it holds less than 4 KiB (each system call here may hand the
+        GIL to another thread; a raised BlockingIOError costs more than the read)."""
         try:
-            while os.read(self.read_fd, 4096):
+            while len(os.read(self.read_fd, 4096)) == 4096:
                 pass
         except (BlockingIOError, OSError):
             pass
@@ -209,8 +211,7 @@ class TransferThread:
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
                 # so that a doorbell (new work) or a side-channel message cuts the nap short
                 if nap >= 1e-3:
-                    self.poller.poll(int(nap * 1000))
-                    self.doorbell.clear()
+                    self._wait(int(nap * 1000))
                 else:
                     time.sleep(nap)
                 # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
@@ -219,6 +220,11 @@ class TransferThread:
             elif spin and now - active < spin:
                 time.sleep(fast)  # the spin window: the next command or message is picked up warm
             else:
-                self.poller.poll(self.idle_wait_ms())
-                self.doorbell.clear()
+                self._wait(self.idle_wait_ms())
                 nap = fast
+
+    def _wait(self, timeout_ms: int) -> None:
+        """Block for a doorbell or a side-channel message; empty the doorbell only when it rang (a message
+        that woke the thread goes to work without a system call more)."""
+        if any(fd == self.doorbell.read_fd for fd, _ in self.poller.poll(timeout_ms)):
+            self.doorbell.clear()
