@@ -27,8 +27,7 @@ from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
 from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
-from ..protocol.plan import TransferPlan, build_plan
-from ..protocol.prepared import IndexPlan
+from ..protocol.plan import build_plan
 from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
@@ -45,10 +44,10 @@ from .base import (
 )
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
-from .posting import DescWrite, PreparedWrite, WriteSpec
-from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections, Prepared
+from .posting import write_spec
+from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections
 from .stats import Count
-from .writes import Settled, WriteScheduler
+from .writes import Settled, WriteScheduler, failure_of
 
 __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"]
 
@@ -276,9 +275,11 @@ class PushThread(EndpointThread[SendResult]):
                 raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
             plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
         except (LayoutError, TransportError) as exc:
-            return self._settle([Settled(act, False, 0, str(exc), kind=_failure_of(exc))])
+            return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
         marks.setdefault("plan_built", time.monotonic())
-        spec = self._spec(plan, sealed_done(act, self.layout.rank, plan.nbytes, session), peer.agent, prep)
+        notif = sealed_done(act, self.layout.rank, plan.nbytes, session)
+        lists = None if prep is None else (prep.local, prep.remote)
+        spec = write_spec(plan, notif, peer.agent, self.mem_type, lists)
         marks.setdefault("sealed", time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -292,16 +293,6 @@ class PushThread(EndpointThread[SendResult]):
         self.scheduler.queue(act, plan, spec, now)
         marks.setdefault("queued", time.monotonic())
         return []
-
-    def _spec(
-        self, plan: TransferPlan | IndexPlan, notif: bytes, agent: str, prep: Prepared | None
-    ) -> WriteSpec:
-        """The WRITE as data, for whichever thread posts it."""
-        if isinstance(plan, TransferPlan):
-            local, remote = plan.nixl_descs()
-            return DescWrite(agent, local, remote, notif, self.mem_type)
-        assert prep is not None  # an index plan indexes the pair's prepared lists
-        return PreparedWrite(prep.local, plan.src_idx, prep.remote, plan.dst_idx, notif)
 
     def _source_ready(self, act: StartWrite) -> None:
         """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
@@ -415,14 +406,6 @@ class PushThread(EndpointThread[SendResult]):
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
-
-
-def _failure_of(exc: Exception) -> Failure:
-    """A WRITE that could not even be queued: the decode rank is gone, its blocks do not fit, or the
-    source could not be made ready (barrier, staging)."""
-    if isinstance(exc, PeerGone):
-        return Failure.PEER_GONE
-    return Failure.REFUSED if isinstance(exc, LayoutError) else Failure.WRITE_FAILED
 
 
 class PrefillEndpoint(Endpoint[SendResult]):
