@@ -477,7 +477,8 @@ class PrefillEndpoint(Endpoint[SendResult]):
         computed into block_ids (a prefix of the table prefill_done will give). Their WRITEs may start now;
         prefill_done stays the terminal call. From the first kv_ready the blocks are the endpoint's until
         its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
-        prefill_done; every barrier reported so far is called before a WRITE reads the blocks.
+        prefill_done; every barrier reported so far is called before a WRITE reads the blocks. Below
+        stream_min_tokens nothing can move yet: the call waits here for the request's next one (early.py).
         """
         blocks = stream_table(self.layout, request_id, block_ids, num_tokens)
         if layers is not None and not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
