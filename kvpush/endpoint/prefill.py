@@ -485,7 +485,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
             raise LayoutError(f"kv_ready {request_id!r}: layers {layers} outside 0..{self.layout.num_layers}")
         call, push = ReadyCall(blocks, num_tokens, layers, kv_written, decode_engine_id), self._push
         if request_id not in self._streaming and (
-            num_tokens < self.config.streaming.min_tokens or push.hooks
+            num_tokens < self.config.streaming.min_tokens or push.hooks is not None
         ):
             push.alive_or_raise()
             push.early.hold(request_id, call, time.monotonic())  # nothing may move yet: early.py
