@@ -264,8 +264,8 @@ class Endpoint(Generic[R]):
         reported on the way down are still handed out; after that, EndpointClosed."""
         self._worker.result_event.clear()
         out = _drain(self._worker.results)
-        if not out:
-            self._worker.alive_or_raise()
+        if not out and (self._worker.fatal is None or self._worker.torn_down):
+            self._worker.alive_or_raise()  # a thread that died is still failing what was live until then
         return out
 
     def wait_any(self, timeout: float) -> list[R]:

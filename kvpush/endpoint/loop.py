@@ -73,6 +73,7 @@ class TransferThread:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
+        self.torn_down = False  # set once teardown has run: every result of a death is reported by then
         self._start_error: BaseException | None = None
         self.fatal: BaseException | None = None
         self.closed = False
@@ -187,6 +188,7 @@ class TransferThread:
                 self.teardown()
             except Exception:
                 log.exception("kvpush thread %s: teardown failed", self.name)
+            self.torn_down = True
 
     def _loop(self) -> None:
         fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s
