@@ -178,6 +178,8 @@ class Pacing(_Group, frozen=True):
 
     While work is in flight or expected the thread sleeps busy_poll_s between rounds, doubling up to
     max_busy_poll_s while nothing happens, back to busy_poll_s on any activity; idle, idle_poll_s.
+    spin_s keeps an idle thread polling a moment longer: a thread woken from a block costs a wake-up and
+    runs its next request's Python cold (several times its warm cost on a loaded VM), at the price of CPU.
     """
 
     busy_poll_s: Annotated[float, Meta(description="Sleep between rounds while work is in flight.")] = 50e-6
@@ -185,9 +187,17 @@ class Pacing(_Group, frozen=True):
         float, Meta(description="The busy sleep doubles up to this while nothing happens.")
     ] = 1e-3
     idle_poll_s: Annotated[float, Meta(description="Sleep between rounds with nothing in flight.")] = 0.02
+    spin_s: Annotated[
+        float,
+        Meta(
+            description="After any activity, keep polling at busy_poll_s this long before blocking (0: off)."
+        ),
+    ] = 0.0
 
     def __post_init__(self) -> None:
         _positive(self, "busy_poll_s", "max_busy_poll_s", "idle_poll_s")
+        if not 0.0 <= self.spin_s <= 0.1:
+            raise ConfigError(f"spin_s must be within 0..0.1 s, got {self.spin_s}")
         if self.max_busy_poll_s < self.busy_poll_s:
             raise ConfigError(
                 f"max_busy_poll_s ({self.max_busy_poll_s}) must be >= busy_poll_s ({self.busy_poll_s})"

@@ -25,6 +25,7 @@ from ..protocol.groups import (
 )
 from ..protocol.handshake import make_hello
 from ..protocol.layout import KVLayout
+from ..protocol.prepared import plain_table
 from ..protocol.ranges import StreamPolicy
 from ..protocol.reasons import Failure
 from ..protocol.wire import Codec, Hello, Message, request_problem
@@ -312,8 +313,10 @@ def checked_blocks(
         raise RequestError("request_id must be a non-empty string")
     if num_tokens <= 0:
         raise RequestError(f"{request_id}: num_tokens must be > 0, got {num_tokens}")
-    blocks = as_block_ids(block_ids)
-    check_group_tables(layout, blocks, num_tokens, request_id)
+    plain = plain_table(layout, block_ids, num_tokens)
+    blocks: BlockIds = as_block_ids(block_ids) if plain is None else plain
+    if plain is None:
+        check_group_tables(layout, blocks, num_tokens, request_id)
     problem = request_problem(request_id, flat_ids(blocks)[0], num_tokens, max_message_bytes)
     if problem:
         raise RequestError(f"{request_id[:64]!r}: {problem}")

@@ -4,7 +4,9 @@ Engine-facing calls put a command on a queue and ring a doorbell (a pipe), then 
 everything else: it reads the side channel, feeds the sans-IO state machines, posts WRITEs and drives them
 to completion itself (so decode-ready never waits for the engine's next step), drains NIXL notifications,
 and ticks the clock. While work is in flight it sleeps `busy_poll_s` between rounds; when idle it blocks on
-the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint costs almost no CPU.
+the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint costs almost no CPU. With
+`spin_s` it first keeps the busy cadence that long after its last activity (a request's second event often
+follows its first closely, and a thread woken from a block starts slow).
 
 Death is sticky: if the thread's loop raises, `fatal` holds the exception, the subclass's teardown still
 runs (it fails what is live), and every later engine-facing call raises EndpointClosed from it.
@@ -43,8 +45,10 @@ class Doorbell:
             os.write(self.write_fd, b"x")
 
     def clear(self) -> None:
+        """Empty the pipe, in one read when it holds less than 4 KiB (each system call here may hand the
+        GIL to another thread; a raised BlockingIOError costs more than the read)."""
         try:
-            while os.read(self.read_fd, 4096):
+            while len(os.read(self.read_fd, 4096)) == 4096:
                 pass
         except (BlockingIOError, OSError):
             pass
@@ -190,7 +194,9 @@ class TransferThread:
 
     def _loop(self) -> None:
         fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s
+        spin = self.config.pacing.spin_s
         nap = fast
+        active = 0.0  # when a command or a round last did something (the spin window counts from here)
         while not self._stop.is_set():
             while True:
                 try:
@@ -199,21 +205,30 @@ class TransferThread:
                     break
                 cmd()
                 nap = fast
-            if self.step(time.monotonic()):
+                active = time.monotonic()
+            now = time.monotonic()
+            if self.step(now):
                 nap = fast
+                active = now
                 continue
             if self.busy():
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
                 # so that a doorbell (new work) or a side-channel message cuts the nap short
                 if nap >= 1e-3:
-                    self.poller.poll(int(nap * 1000))
-                    self.doorbell.clear()
+                    self._wait(int(nap * 1000))
                 else:
                     time.sleep(nap)
                 # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
                 # when we poll); back off only while nothing of ours is on the wire
                 nap = fast if self.in_flight() else min(nap * 2, slowest)
+            elif spin and now - active < spin:
+                time.sleep(fast)  # the spin window: the next command or message is picked up warm
             else:
-                self.poller.poll(self.idle_wait_ms())
-                self.doorbell.clear()
+                self._wait(self.idle_wait_ms())
                 nap = fast
+
+    def _wait(self, timeout_ms: int) -> None:
+        """Block for a doorbell or a side-channel message; empty the doorbell only when it rang (a message
+        that woke the thread goes to work without a system call more)."""
+        if any(fd == self.doorbell.read_fd for fd, _ in self.poller.poll(timeout_ms)):
+            self.doorbell.clear()

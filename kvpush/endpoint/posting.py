@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError, TransportError
+from ..protocol.plan import TransferPlan
+from ..protocol.prepared import IndexPlan
 from ..transport.base import Descs, Indices, PreparedList, Transport, XferHandle
 
 log = logging.getLogger("kvpush")
@@ -54,6 +56,22 @@ class DescWrite:
 
 
 WriteSpec = PreparedWrite | DescWrite
+
+
+def write_spec(
+    plan: TransferPlan | IndexPlan,
+    notif: bytes,
+    agent: str,
+    mem_type: str,
+    prepared: tuple[PreparedList, PreparedList] | None,
+) -> WriteSpec:
+    """The WRITE as data, for whichever thread posts it: indices into the pair's prepared lists (local,
+    remote) for an index plan, fresh descriptor lists otherwise."""
+    if isinstance(plan, TransferPlan):
+        local, remote = plan.nixl_descs()
+        return DescWrite(agent, local, remote, notif, mem_type)
+    assert prepared is not None  # an index plan indexes the pair's prepared lists
+    return PreparedWrite(prepared[0], plan.src_idx, prepared[1], plan.dst_idx, notif)
 
 
 def post(transport: Transport, spec: WriteSpec) -> XferHandle:

@@ -27,8 +27,7 @@ from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
 from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
-from ..protocol.plan import TransferPlan, build_plan
-from ..protocol.prepared import IndexPlan
+from ..protocol.plan import build_plan
 from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
@@ -45,10 +44,11 @@ from .base import (
 )
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
-from .posting import DescWrite, PreparedWrite, WriteSpec
-from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections, Prepared
+from .early import HeldCalls, ReadyCall
+from .posting import write_spec
+from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections
 from .stats import Count
-from .writes import Settled, WriteScheduler
+from .writes import Settled, WriteScheduler, failure_of
 
 __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"]
 
@@ -83,6 +83,7 @@ class PushThread(EndpointThread[SendResult]):
         self.held: deque[tuple[float, ReleaseSource]] = deque()
         self.closing = False
         self.bound_port = 0
+        self.early = HeldCalls()
 
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
@@ -117,6 +118,11 @@ class PushThread(EndpointThread[SendResult]):
             self._release(self.held.popleft()[1])
         actions = self._settle(settled)
         now = time.monotonic()
+        for rid, calls in self.early.close().items():  # held kv_ready calls (early.py), heard now
+            for c in [] if self.hooks else calls:
+                actions += self.state.on_kv_ready(
+                    rid, c.block_ids, c.num_tokens, c.layers, now, c.decode_engine_id
+                )
         for rid in self.state.pending():
             actions += self.state.abort(rid, reason, now, Failure.CLOSED)
         for act in actions:  # the transport is closed: only the releases matter now
@@ -163,6 +169,8 @@ class PushThread(EndpointThread[SendResult]):
             for event in self.conns.liveness(now):
                 self._on_event(event)
             self._apply(self.state.on_tick(now))
+            for rid, calls in self.early.overdue(now - self.config.leases.lease_s / 2).items():
+                self.cmd_held(rid, calls)
             while self.held and self.held[0][0] <= now:
                 self._release(self.held.popleft()[1])
             self.ledger.pending(len(self.state))
@@ -276,9 +284,11 @@ class PushThread(EndpointThread[SendResult]):
                 raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
             plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
         except (LayoutError, TransportError) as exc:
-            return self._settle([Settled(act, False, 0, str(exc), kind=_failure_of(exc))])
+            return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
         marks.setdefault("plan_built", time.monotonic())
-        spec = self._spec(plan, sealed_done(act, self.layout.rank, plan.nbytes, session), peer.agent, prep)
+        notif = sealed_done(act, self.layout.rank, plan.nbytes, session)
+        lists = None if prep is None else (prep.local, prep.remote)
+        spec = write_spec(plan, notif, peer.agent, self.mem_type, lists)
         marks.setdefault("sealed", time.monotonic())
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -292,16 +302,6 @@ class PushThread(EndpointThread[SendResult]):
         self.scheduler.queue(act, plan, spec, now)
         marks.setdefault("queued", time.monotonic())
         return []
-
-    def _spec(
-        self, plan: TransferPlan | IndexPlan, notif: bytes, agent: str, prep: Prepared | None
-    ) -> WriteSpec:
-        """The WRITE as data, for whichever thread posts it."""
-        if isinstance(plan, TransferPlan):
-            local, remote = plan.nixl_descs()
-            return DescWrite(agent, local, remote, notif, self.mem_type)
-        assert prep is not None  # an index plan indexes the pair's prepared lists
-        return PreparedWrite(prep.local, plan.src_idx, prep.remote, plan.dst_idx, notif)
 
     def _source_ready(self, act: StartWrite) -> None:
         """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
@@ -390,6 +390,7 @@ class PushThread(EndpointThread[SendResult]):
         kv_written: Callable[[], None] | None,
         decode_engine_id: str = "",
     ) -> None:
+        self.cmd_held(request_id, self.early.take(request_id))
         self.prefill_done_at[request_id] = at
         self.timeline.setdefault(request_id, {})["prefill_done"] = at
         if kv_written is not None:
@@ -397,32 +398,24 @@ class PushThread(EndpointThread[SendResult]):
         now = time.monotonic()
         self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, now, decode_engine_id))
 
-    def cmd_kv_ready(
-        self,
-        request_id: str,
-        block_ids: tuple[int, ...],
-        num_tokens: int,
-        layers: tuple[int, int] | None,
-        kv_written: Callable[[], None] | None,
-        decode_engine_id: str,
-    ) -> None:
-        if kv_written is not None:
-            self.kv_written.setdefault(request_id, []).append(kv_written)
+    def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
+        if c.kv_written is not None:
+            self.kv_written.setdefault(request_id, []).append(c.kv_written)
         if self.hooks is not None:
             return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
         now = time.monotonic()
-        self._apply(self.state.on_kv_ready(request_id, block_ids, num_tokens, layers, now, decode_engine_id))
+        self._apply(
+            self.state.on_kv_ready(request_id, c.block_ids, c.num_tokens, c.layers, now, c.decode_engine_id)
+        )
+
+    def cmd_held(self, request_id: str, calls: list[ReadyCall]) -> None:
+        """kv_ready calls in order: those the endpoint held for request_id (early.py), then the new one."""
+        for c in calls:
+            self.cmd_kv_ready(request_id, c)
 
     def cmd_abort(self, request_id: str, reason: str) -> None:
+        self.cmd_held(request_id, self.early.take(request_id))
         self._apply(self.state.abort(request_id, reason, time.monotonic()))
-
-
-def _failure_of(exc: Exception) -> Failure:
-    """A WRITE that could not even be queued: the decode rank is gone, its blocks do not fit, or the
-    source could not be made ready (barrier, staging)."""
-    if isinstance(exc, PeerGone):
-        return Failure.PEER_GONE
-    return Failure.REFUSED if isinstance(exc, LayoutError) else Failure.WRITE_FAILED
 
 
 class PrefillEndpoint(Endpoint[SendResult]):
@@ -439,6 +432,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
     ) -> None:
         self._push = PushThread(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._push)
+        self._streaming: set[str] = set()  # requests with a kv_ready sent to the push thread (not held)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -463,6 +457,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
         """
         at = time.monotonic()
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        self._streaming.discard(request_id)
         self._push.submit(
             lambda: self._push.cmd_prefill_done(
                 request_id, blocks, num_tokens, at, kv_written, decode_engine_id
@@ -482,16 +477,22 @@ class PrefillEndpoint(Endpoint[SendResult]):
         computed into block_ids (a prefix of the table prefill_done will give). Their WRITEs may start now;
         prefill_done stays the terminal call. From the first kv_ready the blocks are the endpoint's until
         its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
-        prefill_done; every barrier reported so far is called before a WRITE reads the blocks.
+        prefill_done; every barrier reported so far is called before a WRITE reads the blocks. Below
+        stream_min_tokens nothing can move yet: the call waits here for the request's next one (early.py).
         """
         blocks = stream_table(self.layout, request_id, block_ids, num_tokens)
         if layers is not None and not (0 <= layers[0] < layers[1] <= self.layout.num_layers):
             raise LayoutError(f"kv_ready {request_id!r}: layers {layers} outside 0..{self.layout.num_layers}")
-        self._push.submit(
-            lambda: self._push.cmd_kv_ready(
-                request_id, blocks, num_tokens, layers, kv_written, decode_engine_id
-            )
-        )
+        call, push = ReadyCall(blocks, num_tokens, layers, kv_written, decode_engine_id), self._push
+        if request_id not in self._streaming and (
+            num_tokens < self.config.streaming.min_tokens or push.hooks is not None
+        ):
+            push.alive_or_raise()
+            push.early.hold(request_id, call, time.monotonic())  # nothing may move yet: early.py
+            return
+        push.submit(lambda: push.cmd_held(request_id, [*push.early.take(request_id), call]))
+        self._streaming.add(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
+        self._streaming.discard(request_id)
         self._push.submit(lambda: self._push.cmd_abort(request_id, reason))

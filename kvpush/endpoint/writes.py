@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import KVPushConfig
-from ..errors import TransportError
+from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.plan import TransferPlan
 from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
@@ -74,6 +74,14 @@ class _Write:
     ) -> Settled:
         nbytes = self.plan.nbytes if ok else 0
         return Settled(self.action, ok, nbytes, reason, abandoned, kind, self.made_at, self.posted_at, at)
+
+
+def failure_of(exc: Exception) -> Failure:
+    """A WRITE that could not even be queued: the decode rank is gone, its blocks do not fit, or the
+    source could not be made ready (barrier, staging)."""
+    if isinstance(exc, PeerGone):
+        return Failure.PEER_GONE
+    return Failure.REFUSED if isinstance(exc, LayoutError) else Failure.WRITE_FAILED
 
 
 class WriteScheduler:

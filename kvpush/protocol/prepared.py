@@ -24,12 +24,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import LayoutError
-from .groups import BlockIds, TableArg, as_block_ids, check_group_tables, is_flat
+from .groups import BlockIds, Table, TableArg, as_block_ids, check_group_tables, is_flat
 from .layout import KVLayout, blocks_for, check_compatible
 from .plan import group_tokens
 
@@ -341,6 +342,30 @@ def _group_pieces(
     return s_p, d_p
 
 
+def plain_table(layout: KVLayout, block_ids: TableArg, num_tokens: int) -> Table | None:
+    """check_group_tables' common case in a few C-level calls: one full-attention group, a flat table of
+    ints inside the cache, the blocks num_tokens needs all different. The table as a tuple, else None
+    (another shape, or a problem: check_group_tables then names it). Tables are checked on the engine's
+    call and on every WRITE; the general walk costs tens of microseconds on a cold core."""
+    if layout.num_groups != 1 or layout.window(0) or type(block_ids) not in (tuple, list) or not block_ids:
+        return None
+    if set(map(type, block_ids)) != {int}:
+        return None
+    ids = cast(Table, tuple(block_ids))  # every element is an int (checked just above)
+    need = blocks_for(num_tokens, layout.block_size)
+    if need > len(ids) or min(ids) < 0 or max(ids) >= layout.num_blocks or len(set(ids[:need])) != need:
+        return None
+    return ids
+
+
+def _tables(layout: KVLayout, block_ids: TableArg, num_tokens: int, who: str) -> tuple[Table, ...]:
+    """check_group_tables(as_block_ids(...)), through plain_table when it can answer."""
+    table = plain_table(layout, block_ids, num_tokens)
+    if table is None:
+        return check_group_tables(layout, as_block_ids(block_ids), num_tokens, who)
+    return (table[: blocks_for(num_tokens, layout.block_size)],)
+
+
 def build_index_plan(
     pair: PairUnits,
     src_blocks: TableArg,
@@ -356,8 +381,8 @@ def build_index_plan(
     src, dst = pair.src, pair.dst
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
-    s_tabs = check_group_tables(src, as_block_ids(src_blocks), num_tokens, "prefill")
-    d_tabs = check_group_tables(dst, as_block_ids(dst_blocks), num_tokens, "decode")
+    s_tabs = _tables(src, src_blocks, num_tokens, "prefill")
+    d_tabs = _tables(dst, dst_blocks, num_tokens, "decode")
     if layers is not None and (layers.start < 0 or layers.stop > src.num_layers):
         raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
     moved = src.tokens_to_move(num_tokens)

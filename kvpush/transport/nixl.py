@@ -92,15 +92,22 @@ _PEER_GONE_ERRORS = frozenset({"nixlRemoteDisconnectError"})
 
 @contextlib.contextmanager
 def nixl_errors(what: str) -> Iterator[None]:
-    """The one place NIXL's exceptions become kvpush's: `PeerGone` for a disconnected remote agent,
-    `TransportError` for everything else, each with `what` failed and NIXL's own message."""
+    """The one place NIXL's exceptions become kvpush's (with `translated`, its by-hand form on the
+    per-WRITE calls): `PeerGone` for a disconnected remote agent, `TransportError` for everything else,
+    each with `what` failed and NIXL's own message."""
     try:
         yield
     except TransportError:
         raise
     except Exception as exc:
-        kind = PeerGone if type(exc).__name__ in _PEER_GONE_ERRORS else TransportError
-        raise kind(f"{what}: {exc}") from exc
+        raise translated(exc, what) from exc
+
+
+def translated(exc: Exception, what: str) -> TransportError:
+    """nixl_errors' mapping, for the per-WRITE calls that catch by hand (a generator-based context
+    manager and its message cost microseconds on every WRITE, none of which an error-free call needs)."""
+    kind = PeerGone if type(exc).__name__ in _PEER_GONE_ERRORS else TransportError
+    return kind(f"{what}: {exc}")
 
 
 def strided_lists_supported(agent: Any) -> bool:
@@ -271,14 +278,22 @@ class NixlTransport:
     def make_write(
         self, local: Any, local_idx: Indices, remote: Any, remote_idx: Indices, notif: bytes
     ) -> Any:
-        with nixl_errors(f"NIXL could not make a WRITE of {local_idx.shape[0]} indices"):
+        try:
             return self._agent.make_prepped_xfer(
                 "WRITE", local, local_idx, remote, remote_idx, notif_msg=notif
             )
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise translated(exc, f"NIXL could not make a WRITE of {local_idx.shape[0]} indices") from exc
 
     def repost(self, handle: Any, notif: bytes | None = None) -> None:
-        with nixl_errors("NIXL WRITE failed to post"):
+        try:
             state = self._agent.transfer(handle) if notif is None else self._agent.transfer(handle, notif)
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise translated(exc, "NIXL WRITE failed to post") from exc
         if state == "ERR":
             raise TransportError("NIXL WRITE returned ERR when posted")
 
@@ -306,15 +321,23 @@ class NixlTransport:
             self._agent.release_dlist_handle(plist)
 
     def poll(self, handle: Any) -> XferState:
-        with nixl_errors("NIXL transfer failed"):
+        try:
             state = self._agent.check_xfer_state(handle)
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise translated(exc, "NIXL transfer failed") from exc
         if state == "ERR":
             raise TransportError("NIXL transfer ended in ERR (peer gone or memory invalid)")
         return "DONE" if state == "DONE" else "PROC"
 
     def release(self, handle: Any) -> None:
-        with nixl_errors("NIXL could not release a transfer handle"):
+        try:
             self._agent.release_xfer_handle(handle)
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise translated(exc, "NIXL could not release a transfer handle") from exc
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         with nixl_errors(f"NIXL notification to {peer!r} failed"):

@@ -223,3 +223,33 @@ def test_a_start_that_fails_after_the_thread_started_leaves_no_thread_and_no_age
         assert not leaked, leaked
     finally:
         busy.close()
+
+
+def test_finished_hands_out_what_a_dying_thread_reports_before_it_raises(pair):
+    """Between the thread's death and the end of its teardown, finished() answers [] (not EndpointClosed):
+    an engine polling it must still get the failed results that free its blocks."""
+    hub, src, dst, p, d, addr = pair
+    hub.hold_writes = True
+    d.expect("w", [0, 1], 8, addr)
+    p.prefill_done("w", [5, 6], 8)
+    until(lambda: [1] if hub.held else [])
+    reached, go_on = threading.Event(), threading.Event()
+    teardown = p._push.teardown
+
+    def slow_teardown() -> None:
+        reached.set()
+        go_on.wait(5)
+        teardown()
+
+    def boom(handle):
+        raise RuntimeError("injected crash while polling")
+
+    p._push.teardown = slow_teardown
+    p._push.transport.poll = boom
+    assert reached.wait(5) and p._push.fatal is not None
+    assert p.finished() == []  # dead, still reporting: no EndpointClosed yet
+    go_on.set()
+    [sent] = until(p.finished)
+    assert not sent.ok and sent.block_ids == (5, 6) and "died" in sent.reason
+    with pytest.raises(EndpointClosed, match="died"):
+        p.finished()

@@ -36,7 +36,7 @@ def _until(pred, timeout=20.0):
     return False
 
 
-def _pair(p_bs, d_bs, p_tp=1, d_tp=1, streaming=None, layers=4):
+def _pair(p_bs, d_bs, p_tp=1, d_tp=1, streaming=None, layers=4, lease_s=20.0):
     common = dict(layers=layers, total_kv_heads=2, head_dim=8, dtype_size=2)
     pg = Geometry(block_size=p_bs, num_blocks=64, tp_size=p_tp, **common)
     dg = Geometry(block_size=d_bs, num_blocks=64, tp_size=d_tp, **common)
@@ -44,7 +44,7 @@ def _pair(p_bs, d_bs, p_tp=1, d_tp=1, streaming=None, layers=4):
     dc = [make_cache(dg.layout(r), "cpu") for r in range(d_tp)]
     port = free_port_range(p_tp)
     stream = streaming if streaming is not None else {"min_tokens": 0, "min_bytes": 0}
-    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=20.0, streaming=stream))
+    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=lease_s, streaming=stream))
     dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
     pe = [PrefillEndpoint(pcfg, c.layout) for c in pc]
     de = [DecodeEndpoint(dcfg, c.layout) for c in dc]

@@ -182,3 +182,37 @@ def test_small_plan_equals_the_array_path(sc, lo, width):
         ref.nbytes,
         ref.num_blocks,
     )
+
+
+_TABLE = st.one_of(
+    st.lists(st.integers(-2, 20), max_size=8),  # flat: ids in and out of the 16-block cache, repeats
+    st.lists(st.integers(-2, 20), max_size=8).map(tuple),
+    st.lists(st.lists(st.integers(0, 15), min_size=1, max_size=4).map(tuple), min_size=1, max_size=2),
+    st.lists(st.sampled_from([1, 2.0, True, np.int64(3)]), min_size=1, max_size=4),  # not plain ints
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_TABLE, st.integers(1, 40), st.sampled_from([(0,), (8,), (0, 0)]))
+def test_plain_table_agrees_with_check_group_tables(table, n, windows):
+    """The fast check answers only where check_group_tables accepts, with the same table; anything else
+    (several groups, windows, ids that are not ints, any problem) falls back to the full check."""
+    from kvpush.errors import LayoutError
+    from kvpush.protocol.groups import as_block_ids, check_group_tables
+
+    lay = KVLayout(
+        num_layers=len(windows), block_size=4, num_blocks=16, total_kv_heads=1, head_dim=4, dtype_size=2,
+        layer_group=tuple(range(len(windows))), group_window=windows,
+    )  # fmt: skip
+    got = prepared.plain_table(lay, table, n)
+    try:
+        full = check_group_tables(lay, as_block_ids(table), n, "t")
+    except LayoutError:
+        assert got is None
+        return
+    if got is not None:
+        assert lay.num_groups == 1 and not lay.window(0)
+        assert got == tuple(table) and all(type(b) is int for b in got)
+        assert (got[: -(-n // 4)],) == full
+    elif lay.num_groups == 1 and not lay.window(0) and all(type(b) is int for b in table):
+        raise AssertionError("a plain table the full check accepts was not taken by the fast path")

@@ -87,6 +87,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="prefill posting threads (config post_workers; 0: the push thread posts; default: config's)",
     )
     p.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="prefill push thread: keep polling this long after activity before blocking (config spin_s)",
+    )
+    p.add_argument(
         "--no-nudge",
         dest="nudge",
         action="store_false",
@@ -215,6 +221,8 @@ def _prefill_extra(args: argparse.Namespace) -> dict[str, Any]:
     extra: dict[str, Any] = {"posted_nudge": args.nudge}
     if args.post_workers is not None:
         extra["post_workers"] = args.post_workers
+    if args.spin_us is not None:
+        extra["spin_s"] = args.spin_us * 1e-6
     return extra
 
 

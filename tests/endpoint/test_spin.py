@@ -1,0 +1,61 @@
+"""pacing.spin_s: after activity an idle transfer thread keeps polling at busy_poll_s for spin_s, then
+blocks on its doorbell (issue 20 item 4: a thread woken from a block starts its next request slow)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvpush.config import KVPushConfig
+from kvpush.endpoint.loop import TransferThread
+from kvpush.errors import ConfigError
+
+
+class Counting(TransferThread):
+    """A thread with nothing in flight that counts its rounds."""
+
+    def __init__(self, config: KVPushConfig) -> None:
+        super().__init__(config)
+        self.rounds = 0
+
+    def step(self, now: float) -> bool:
+        self.rounds += 1
+        return False
+
+    def busy(self) -> bool:
+        return False
+
+
+def rounds_after_a_command(spin_s: float) -> tuple[int, int]:
+    """Rounds in the 0.15 s after one command, and in the 0.15 s after that (idle_poll_s 1 s: a thread
+    that blocks makes at most one round per doorbell)."""
+    t = Counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4, "spin_s": spin_s}))
+    t.start()
+    try:
+        t.call(lambda: None, timeout=5)
+        start = t.rounds
+        time.sleep(0.15)
+        first = t.rounds - start
+        time.sleep(0.15)
+        return first, t.rounds - start - first
+    finally:
+        t.stop()
+
+
+def test_spin_polls_after_activity_then_blocks():
+    spun, after = rounds_after_a_command(0.05)
+    assert spun >= 20  # polled at the busy cadence through the 50 ms window (>= 2.5 ms a round allowed)
+    assert after <= 1  # then blocked on the doorbell: no round without a reason
+
+
+def test_no_spin_blocks_at_once():
+    first, after = rounds_after_a_command(0.0)
+    assert first <= 2 and after <= 1
+
+
+def test_spin_s_is_bounded():
+    assert KVPushConfig.from_mapping({"spin_s": 2e-4}).pacing.spin_s == 2e-4
+    for bad in (-1e-6, 0.5):
+        with pytest.raises(ConfigError, match="spin_s must be within 0..0.1 s"):
+            KVPushConfig.from_mapping({"spin_s": bad})
