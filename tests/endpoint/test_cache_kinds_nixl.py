@@ -121,7 +121,9 @@ def test_cache_kind_over_nixl(kind, geo, p_tp, d_tp, pp, n):
 
 
 def _pp_pair(stage_layers, addr_pp):
-    """PP prefill endpoints (one per stage, TP 1) holding `stage_layers`, and a 4-layer decode."""
+    """PP prefill endpoints (one per stage, TP 1) holding `stage_layers`, a 4-layer decode, and the host
+    buffers their layouts point at: the caller keeps them alive until the endpoints are closed (a buffer
+    freed earlier is memory NIXL still writes into)."""
     p_layouts = [
         placed(KVLayout(**dict(PP, num_layers=len(ids), num_blocks=64, layer_ids=ids, pp_rank=s, pp_size=2)))
         for s, ids in enumerate(stage_layers)
@@ -134,14 +136,15 @@ def _pp_pair(stage_layers, addr_pp):
     de = DecodeEndpoint(dcfg, d_layout[0])
     for ep in [*pe, de]:
         ep.start()
-    return pe, de, PrefillAddress("P", "127.0.0.1", port, 1, addr_pp)
+    buffers = [buf for _, buf in p_layouts] + [d_layout[1]]
+    return pe, de, PrefillAddress("P", "127.0.0.1", port, 1, addr_pp), buffers
 
 
 def test_pp_stages_that_leave_a_decode_layer_unheld_are_refused_by_name():
     """Stage 0 holds layers 0-1, stage 1 only layer 3: each passes check_compatible alone, yet layer 2
     would stay unwritten. A request expected without connect() fails by name (it used to be Ready with
     layer 2 unwritten); connect() raises PeerRefused naming the missing layer."""
-    pe, de, addr = _pp_pair([(0, 1), (3,)], 2)
+    pe, de, addr, _buffers = _pp_pair([(0, 1), (3,)], 2)
     try:
         de.expect("r", tuple(range(4)), 50, addr)
         for ep in pe:
@@ -159,7 +162,7 @@ def test_pp_stages_that_leave_a_decode_layer_unheld_are_refused_by_name():
 def test_a_pp_prefill_addressed_with_a_stage_missing_is_refused_at_connect():
     """A PP 2 prefill whose address says pp_size 1: the decode would wait for stage 0 only and report layers
     2-3 ready unwritten; connect() refuses the pairing by name instead."""
-    pe, de, addr = _pp_pair([(0, 1), (2, 3)], 1)
+    pe, de, addr, _buffers = _pp_pair([(0, 1), (2, 3)], 1)
     try:
         with pytest.raises(PeerRefused, match=r"runs PP 2 x TP 1, but the decode was given PP 1 x TP 1"):
             de.connect(addr, timeout=10.0)
