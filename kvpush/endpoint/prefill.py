@@ -125,6 +125,7 @@ class PushThread(EndpointThread[SendResult]):
                 )
         for rid in self.state.pending():
             actions += self.state.abort(rid, reason, now, Failure.CLOSED)
+        actions += self.state.drop_streamed(reason)  # no prefill_done can come for them any more
         for act in actions:  # the transport is closed: only the releases matter now
             if isinstance(act, ReleaseSource):
                 self._release(act)

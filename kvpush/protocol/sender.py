@@ -297,6 +297,18 @@ class SenderState(RangePosting):
             return []
         return self._end(entry, reason, kind) + self._advance(entry, now)
 
+    def drop_streamed(self, reason: str) -> list[SenderAction]:
+        """Closing: a request that streamed ranges but never heard prefill_done gives its kv_ready blocks
+        back now (the transport is closed, so no WRITE reads them, and the engine can no longer call
+        prefill_done, the terminal call it would otherwise wait for)."""
+        out: list[SenderAction] = []
+        for entry in list(self._entries.values()):
+            if entry.src_blocks is None and entry.ready_blocks is not None:
+                blocks, n = entry.ready_blocks, entry.nbytes
+                out.append(ReleaseSource(entry.request_id, blocks, False, n, reason, Failure.CLOSED))
+                self._finish(entry, None)
+        return out
+
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"

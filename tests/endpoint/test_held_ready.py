@@ -54,6 +54,7 @@ def test_a_request_over_the_threshold_keeps_streaming():
         pe[0].kv_ready("s", pb[:16], 128, layers=(1, 2))  # under again, but the request streams: sent
         assert len(pe[0]._push.early) == 0
         pe[0].abort("s")
+        pe[0].prefill_done("s", pb[:16], 256)  # the terminal call, after an abort too (contract.md)
         (res,) = _wait(pe[0])
         assert not res.ok and res.failure is Failure.ABORTED
     finally:
@@ -66,6 +67,7 @@ def test_abort_of_a_held_request_gives_its_blocks_back():
         pb = list(range(1, 9))
         pe[0].kv_ready("a", pb, 128)
         pe[0].abort("a", "engine gave up")
+        pe[0].prefill_done("a", pb, 128)  # the terminal call, after an abort too (contract.md)
         (res,) = _wait(pe[0])
         assert not res.ok and res.failure is Failure.ABORTED and res.block_ids == tuple(pb)
         assert len(pe[0]._push.early) == 0
