@@ -5,7 +5,8 @@ Checked on every schedule: no WRITE reads a token-layer before kv_ready/prefill_
 token-layer is written twice into one attempt of a decode rank (no duplicate bytes); the decode is told
 once per attempt and rank, success only after every byte of it landed (nothing lost) and never while a
 WRITE into it is in flight unless that WRITE carries the word; the source is released once, only after
-every WRITE from it settled, and nothing is started for a request after its release.
+every WRITE from it settled, and nothing is started for a request after its release; before prefill_done
+a WRITE covers whole blocks only (a chunk's partial last block waits for the rest of its tokens).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class World:
                 assert all(t < frontier[layer] for layer, t in cells), "read KV not reported ready"
                 r = Range(a.token_start, a.num_tokens, *(a.layers or (0, LAYERS)))
                 assert self.done or self.policy.early(r, max(self.ready)), "streamed under the threshold"
+                # a chunk's last block may be partial: before prefill_done a WRITE ends on a whole block
+                # (both sides' alignment), so that block's later tokens are never taken as written
+                assert a.token_start % ALIGN == 0, "a WRITE starts inside a block"
+                assert self.done or a.num_tokens % ALIGN == 0, "a partial block moved before prefill_done"
                 seen = self.written.setdefault(key, set())
                 assert not cells & seen, "a token-layer written twice into one attempt"
                 seen |= cells

@@ -5,7 +5,6 @@ concurrency; a request aborted mid-stream leaks nothing on either side."""
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.error
 from pathlib import Path
@@ -18,6 +17,7 @@ pytest.importorskip("nixl")
 from kvpush.platforms.vllm.tools import client
 from kvpush.platforms.vllm.tools.serve_pd import start_pd, start_single
 from kvpush.platforms.vllm.tools.tiny_model import build
+from tests.vllm.stats_files import read_stats, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -53,11 +53,7 @@ def single(model: str, pd):
 
 
 def _stats(dep, role: str) -> dict:
-    path = Path(dep.stats_dir) / f"kvpush-{role}-rank0.json"
-    deadline = time.monotonic() + 10
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return json.loads(path.read_text())
+    return read_stats(dep.stats_dir, role)
 
 
 def _wait(pred, timeout: float = 30.0):
@@ -80,8 +76,9 @@ def test_streamed_outputs_equal_single_engine_under_concurrency(pd, single, mode
     for i, (w, g) in enumerate(zip(want, got, strict=True)):
         assert len(w) == MAX_TOKENS
         assert g == w, f"prompt {i} ({len(prompts[i].split())} words): streamed P/D {g} != single {w}"
-    assert _wait(lambda: _stats(pd, "prefill")["send_bytes"] == _stats(pd, "decode")["recv_bytes"])
-    p, d = _stats(pd, "prefill"), _stats(pd, "decode")
+    # both sides' files once they count every push over (a file may lag the client's answers a step)
+    p, d = settled(pd.stats_dir, len(prompts))
+    assert p["send_bytes"] == d["recv_bytes"]
     assert p["sent_failed"] == 0 and d["recv_failed"] == 0 and p["sent_ok"] >= len(prompts)
     # the prompts moved in ranges: many more WRITEs than requests (one each without streaming)
     assert p["endpoint"]["writes"] > 2 * p["sent_ok"], p["endpoint"]
