@@ -34,6 +34,9 @@ class Tombstone:
     expiry: float
     owner: str  # the decode engine it belonged to (NO_OWNER: none)
     by_abort: bool  # left by a decode's abort of an id the prefill had not seen
+    # (attempt, decode rank) pairs whose WRITE was abandoned: an abort that arrives late must still be
+    # answered "abandoned" (its bytes may land until the fence), never as a plain ack that frees blocks
+    abandoned: frozenset[tuple[int, int]] = frozenset()
 
 
 class Tombstones:
@@ -54,9 +57,16 @@ class Tombstones:
     def get(self, request_id: str) -> Tombstone | None:
         return self._stones.get(request_id)
 
-    def finished(self, request_id: str, attempt: int, owner: str, expiry: float) -> None:
+    def finished(
+        self,
+        request_id: str,
+        attempt: int,
+        owner: str,
+        expiry: float,
+        abandoned: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
         """A request the prefill tracked has ended."""
-        self._put(request_id, Tombstone(attempt, expiry, owner, by_abort=False))
+        self._put(request_id, Tombstone(attempt, expiry, owner, by_abort=False, abandoned=abandoned))
 
     def prefill_aborted(self, request_id: str, now: float) -> None:
         """The prefill engine aborted an id it had not seen yet (kept if one is already there)."""

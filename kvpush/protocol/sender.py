@@ -244,6 +244,8 @@ class SenderState(RangePosting):
         if entry is None:
             return []
         why = f"WRITE failed: {reason}"
+        if abandoned:
+            entry.abandoned.add((attempt, decode_rank))
         stale = entry.stale_in_flight.get((attempt, decode_rank))
         if stale is not None:  # a superseded attempt's WRITE settled
             stale.count -= 1
@@ -312,11 +314,18 @@ class SenderState(RangePosting):
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
         reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
-        ack = NotifyFailure(
-            msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, reason, kind=Failure.ABORTED
-        )
         entry = self._entries.get(msg.request_id)
         tomb = self._tombstones.get(msg.request_id)
+        gave_up = entry.abandoned if entry is not None else tomb.abandoned if tomb is not None else ()
+        ack = NotifyFailure(  # an abandoned WRITE's bytes may still land: the decode waits for the fence
+            msg.request_id,
+            msg.attempt,
+            msg.decode_engine_id,
+            msg.decode_rank,
+            reason,
+            (msg.attempt, msg.decode_rank) in gave_up,
+            Failure.ABORTED,
+        )
         owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
         if foreign(owner, msg.decode_engine_id):
             why = f"abort refused: {claimed_by_other(msg.request_id)}"
@@ -487,4 +496,5 @@ class SenderState(RangePosting):
     def _finish(self, entry: Entry, now: float | None) -> None:
         del self._entries[entry.request_id]
         expiry = (now if now is not None else entry.deadline) + self.tombstone_s
-        self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry)
+        gave_up = frozenset(entry.abandoned)
+        self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry, gave_up)

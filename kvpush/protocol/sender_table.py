@@ -132,6 +132,7 @@ class Entry:
     ranks: dict[int, Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
     stale_in_flight: dict[tuple[int, int], Stale] = field(default_factory=dict)  # (attempt, rank)
     nbytes: int = 0
+    abandoned: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank): a WRITE given up
 
     def writing(self) -> bool:
         return bool(self.stale_in_flight) or any(r.inflight for r in self.ranks.values())
