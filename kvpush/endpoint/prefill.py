@@ -402,7 +402,7 @@ class PushThread(EndpointThread[SendResult]):
     def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
         if c.kv_written is not None:
             self.kv_written.setdefault(request_id, []).append(c.kv_written)
-        if self.hooks is not None:
+        if self.hooks is not None or not self.transport.strided_lists:  # NIXL 1.3: docs/contract.md
             return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
         now = time.monotonic()
         self._apply(
