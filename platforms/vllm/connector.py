@@ -176,7 +176,10 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        """After each attention layer (vLLM's maybe_transfer_kv_layer): layer-group push, when on."""
+        worker = self._worker
+        if isinstance(worker, PrefillWorker) and worker.groups is not None:
+            worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import PrefillEndpoint, SendResult
 
+from .layer_groups import LayerGroups
 from .layout_probe import expand_blocks
 from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
@@ -54,6 +55,12 @@ class PrefillWorker(WorkerBase):
         self.sent_failed = 0
         self.send_bytes = 0
         self.push_s: list[float] = []
+        # layer-group push (settings.stream_layers): this step's prompts, as (item, expanded blocks)
+        self.groups: LayerGroups | None = None
+        self.layer_ranges = 0  # kv_ready calls made from save_kv_layer
+        self._step: list[tuple[SendItem, list[int]]] = []
+        self._layered: set[str] = set()  # keys given a layer range and no terminal call yet
+        self._cut: set[str] = set()  # of those, the aborted ones: no more ranges (vLLM may reuse the blocks)
         leases = settings.config.leases
         # the longest the protocol lets the push thread keep a handed-over prompt: its lease (waiting for
         # the registration), then a WRITE to its timeout and linger, plus a moment to reach an engine step
@@ -68,11 +75,46 @@ class PrefillWorker(WorkerBase):
             hooks=cache.setup.hooks,  # type: ignore[arg-type]  # a TransferHooks when staged
         )
         self.endpoint.start()
+        if self.settings.stream_layers > 0:
+            self.groups = LayerGroups(list(kv_caches), self.settings.stream_layers)
         self.start_stats()
 
     def start_step(self, meta: KVPushConnectorMetadata) -> None:
         if self.endpoint is not None:
             self.bind_waker(meta.wake_path, self.endpoint)
+        self._step = []
+        if self.groups is None or self.cache is None or not (meta.ready or meta.send):
+            return
+        # a request aborted in this step (preempted: vLLM may have given its blocks out again) or earlier
+        # gets no range; its abort is issued in end_step, before its terminal call
+        skip = self._cut | {key for _rid, key in meta.abort_send}
+        self._step = [
+            (it, expand_blocks(it.block_ids, self.cache.ratio))
+            for it in (*meta.ready, *meta.send)
+            if it.key not in skip
+        ]
+        self.groups.reset()
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """An attention layer of this step's forward pass has written its KV: once that completes a layer
+        group, every prompt computed in this step reports the group ready, with its own barrier."""
+        if not self._step or self.groups is None or self.endpoint is None or self.cache is None:
+            return
+        layers = self.groups.saved(layer_name)
+        if layers is None:
+            return
+        barrier = self.cache.kv_written_barrier()
+        for it, blocks in self._step:
+            self.endpoint.kv_ready(
+                it.key,
+                blocks,
+                it.num_tokens,
+                layers=layers,
+                kv_written=barrier,
+                decode_engine_id=it.decode_engine_id,
+            )
+            self._layered.add(it.key)
+            self.layer_ranges += 1
 
     def end_step(self, meta: KVPushConnectorMetadata) -> None:
         """After the forward pass: the KV this step computed is in memory now; hand it over (whole prompts
@@ -87,6 +129,8 @@ class PrefillWorker(WorkerBase):
         # aborts first: a request preempted mid-stream is aborted before its prefill_done in this step
         for _rid, key in meta.abort_send:
             self.endpoint.abort(key, "request aborted on prefill")
+            if key in self._layered:
+                self._cut.add(key)
         for it in meta.ready:
             self.endpoint.kv_ready(
                 it.key,
@@ -97,6 +141,9 @@ class PrefillWorker(WorkerBase):
             )
         for it in [*meta.stop, *meta.send]:  # stop: aborted mid-stream, ended by its terminal call
             self._hand(it, now, barrier)
+            self._layered.discard(it.key)
+            self._cut.discard(it.key)
+        self._step = []
         self.publish_stats(news=True)
 
     def _hand(self, it: SendItem, now: float, barrier: Callable[[], None] | None) -> None:
@@ -181,6 +228,7 @@ class PrefillWorker(WorkerBase):
             "sent_failed": self.sent_failed,
             "send_bytes": self.send_bytes,
             "push_s": list(self.push_s),
+            "layer_ranges": self.layer_ranges,
         }
 
     def outstanding(self) -> int:
