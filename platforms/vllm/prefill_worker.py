@@ -58,7 +58,9 @@ class PrefillWorker(WorkerBase):
         # layer-group push (settings.stream_layers): this step's prompts, as (item, expanded blocks)
         self.groups: LayerGroups | None = None
         self.layer_ranges = 0  # kv_ready calls made from save_kv_layer
+        self.layer_calls = 0  # save_kv_layer calls while a step had prompts to report
         self._step: list[tuple[SendItem, list[int]]] = []
+        self._step_meta: KVPushConnectorMetadata | None = None  # the step _step was made for
         self._layered: set[str] = set()  # keys given a layer range and no terminal call yet
         self._cut: set[str] = set()  # of those, the aborted ones: no more ranges (vLLM may reuse the blocks)
         leases = settings.config.leases
@@ -82,6 +84,11 @@ class PrefillWorker(WorkerBase):
     def start_step(self, meta: KVPushConnectorMetadata) -> None:
         if self.endpoint is not None:
             self.bind_waker(meta.wake_path, self.endpoint)
+
+    def _begin_layers(self, meta: KVPushConnectorMetadata) -> None:
+        """The first save_kv_layer of a step: which prompts its layer groups report. (Here, not in
+        start_load_kv: vLLM >= 0.32 calls that after the forward pass unless the step loads KV.)"""
+        self._step_meta = meta
         self._step = []
         if self.groups is None or self.cache is None or not (meta.ready or meta.send):
             return
@@ -95,11 +102,16 @@ class PrefillWorker(WorkerBase):
         ]
         self.groups.reset()
 
-    def save_kv_layer(self, layer_name: str) -> None:
+    def save_kv_layer(self, meta: KVPushConnectorMetadata, layer_name: str) -> None:
         """An attention layer of this step's forward pass has written its KV: once that completes a layer
         group, every prompt computed in this step reports the group ready, with its own barrier."""
+        if meta is not self._step_meta:
+            self._begin_layers(meta)
         if not self._step or self.groups is None or self.endpoint is None or self.cache is None:
             return
+        self.layer_calls += 1
+        if layer_name not in self.groups.index and self.layer_calls == 1:
+            log.warning("kvpush: save_kv_layer for %r, a layer not among the KV caches", layer_name)
         layers = self.groups.saved(layer_name)
         if layers is None:
             return
@@ -119,6 +131,7 @@ class PrefillWorker(WorkerBase):
     def end_step(self, meta: KVPushConnectorMetadata) -> None:
         """After the forward pass: the KV this step computed is in memory now; hand it over (whole prompts
         in meta.send, streamed chunks in meta.ready)."""
+        self._step, self._step_meta = [], None
         if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send or meta.ready):
             return
         # Device kernels write the KV on a stream: the backend records a marker here (CUDA: an event on
@@ -143,7 +156,6 @@ class PrefillWorker(WorkerBase):
             self._hand(it, now, barrier)
             self._layered.discard(it.key)
             self._cut.discard(it.key)
-        self._step = []
         self.publish_stats(news=True)
 
     def _hand(self, it: SendItem, now: float, barrier: Callable[[], None] | None) -> None:
@@ -229,6 +241,7 @@ class PrefillWorker(WorkerBase):
             "send_bytes": self.send_bytes,
             "push_s": list(self.push_s),
             "layer_ranges": self.layer_ranges,
+            "layer_calls": self.layer_calls,
         }
 
     def outstanding(self) -> int:

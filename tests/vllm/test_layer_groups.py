@@ -125,12 +125,11 @@ def test_each_layer_group_lands_during_the_forward_pass_and_the_decode_is_told_o
     bed.decode.expect("kvp-1", [5, 6], PROMPT, bed.addr)
     time.sleep(0.2)  # the registration is there before the prefill computes
     meta = KVPushConnectorMetadata(send=[SendItem("r1", "kvp-1", (3, 4), PROMPT)])
-    bed.worker.start_step(meta)
-    bed.worker.save_kv_layer(NAMES[0])
+    bed.worker.save_kv_layer(meta, NAMES[0])  # the forward pass runs before start_load_kv (vLLM 0.32)
     assert _wait(lambda: bed.landed(0, [3, 4], [5, 6])), "layer 0 did not move before the step ended"
     assert not bed.landed(1, [3, 4], [5, 6])  # layer 1 is still "computing": nothing of it was read
     assert not bed.decode.finished()  # one notification, after everything landed
-    bed.worker.save_kv_layer(NAMES[1])
+    bed.worker.save_kv_layer(meta, NAMES[1])
     bed.worker.end_step(meta)
     got = _result(bed.decode, "kvp-1")
     assert got.ok, got
@@ -147,9 +146,8 @@ def test_a_prompt_aborted_in_its_step_gets_no_layer_range(bed: Bed) -> None:
     meta = KVPushConnectorMetadata(
         send=[SendItem("r2", "kvp-2", (9, 10), PROMPT)], abort_send=[("r2", "kvp-2")]
     )
-    bed.worker.start_step(meta)
     for name in NAMES:
-        bed.worker.save_kv_layer(name)
+        bed.worker.save_kv_layer(meta, name)
     assert bed.worker.layer_ranges == 0
     bed.worker.end_step(meta)
     got = _result(bed.decode, "kvp-2")
