@@ -185,7 +185,15 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        """After each attention layer (vLLM's maybe_transfer_kv_layer): layer-group push, when on."""
+        worker = self._worker
+        meta = self._connector_metadata
+        if (
+            isinstance(worker, PrefillWorker)
+            and worker.groups is not None
+            and isinstance(meta, KVPushConnectorMetadata)
+        ):
+            worker.save_kv_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata

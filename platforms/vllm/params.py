@@ -117,6 +117,7 @@ _OWN_KEYS = (
     "connect_timeout_s",
     "idle_wait_ms",
     "stream",
+    "stream_layers",
     "pairing_port",
     "pairing_host",
     "kv_cache_layout",
@@ -195,6 +196,10 @@ class ConnectorSettings:
     # Prefill: after each chunked-prefill step the prompt's complete blocks move (kvpush's kv_ready); the
     # thresholds are kvpush's stream_min_tokens / stream_min_bytes. Off by default (see README).
     stream: bool = False
+    # Prefill: also report every `stream_layers` layers of each step as soon as the attention layers have
+    # written them (save_kv_layer), so a chunk's first layers move while its last ones compute. 0 = off;
+    # > 0 implies stream.
+    stream_layers: int = 0
 
     @property
     def is_producer(self) -> bool:
@@ -242,6 +247,11 @@ class ConnectorSettings:
                     int(entry.get("tp_size", 1)),
                 )
             )
+        stream_layers = own.get("stream_layers", 0)
+        if isinstance(stream_layers, bool) or not isinstance(stream_layers, int) or stream_layers < 0:
+            raise ConfigError(
+                f"KVPushConnector: stream_layers must be a whole number of layers >= 0, got {stream_layers!r}"
+            )
         return cls(
             role=role,
             config=config,
@@ -255,7 +265,8 @@ class ConnectorSettings:
             idle_wait_s=idle_wait_ms / 1000.0,
             pairing_port=pairing_port,
             pairing_host=pairing_host,
-            stream=_flag(own.get("stream", False), "stream"),
+            stream=_flag(own.get("stream", False), "stream") or stream_layers > 0,
+            stream_layers=stream_layers,
         )
 
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from kvpush.endpoint import PrefillEndpoint, SendResult
 from kvpush.errors import LayoutError
 
-from .block_table import expand_group_ids, first_table
+from .block_table import GroupIds, expand_group_ids, first_table
+from .layer_groups import LayerGroups
 from .overdue import Held, OverdueCheck
 from .probe import debug_checksums
 from .scheduler import KVPushConnectorMetadata, SendItem
@@ -55,6 +56,14 @@ class PrefillWorker(WorkerBase):
         self.sent_failed = 0
         self.send_bytes = 0
         self.push_s: list[float] = []
+        # layer-group push (settings.stream_layers): this step's prompts, as (item, expanded blocks)
+        self.groups: LayerGroups | None = None
+        self.layer_ranges = 0  # kv_ready calls made from save_kv_layer
+        self.layer_calls = 0  # save_kv_layer calls while a step had prompts to report
+        self._step: list[tuple[SendItem, GroupIds]] = []
+        self._step_meta: KVPushConnectorMetadata | None = None  # the step _step was made for
+        self._layered: set[str] = set()  # keys given a layer range and no terminal call yet
+        self._cut: set[str] = set()  # of those, the aborted ones: no more ranges (vLLM may reuse the blocks)
         leases = settings.config.leases
         # the longest the protocol lets the push thread keep a handed-over prompt: its lease (waiting for
         # the registration), then a WRITE to its timeout and linger, plus a moment to reach an engine step
@@ -69,15 +78,61 @@ class PrefillWorker(WorkerBase):
             hooks=cache.setup.hooks,  # type: ignore[arg-type]  # a TransferHooks when staged
         )
         self.endpoint.start()
+        if self.settings.stream_layers > 0:
+            self.groups = LayerGroups(list(kv_caches), self.settings.stream_layers)
         self.start_stats()
 
     def start_step(self, meta: KVPushConnectorMetadata) -> None:
         if self.endpoint is not None:
             self.bind_waker(meta.wake_path, self.endpoint)
 
+    def _begin_layers(self, meta: KVPushConnectorMetadata) -> None:
+        """The first save_kv_layer of a step: which prompts its layer groups report. (Here, not in
+        start_load_kv: vLLM >= 0.32 calls that after the forward pass unless the step loads KV.)"""
+        self._step_meta = meta
+        self._step = []
+        if self.groups is None or self.cache is None or not (meta.ready or meta.send):
+            return
+        # a request aborted in this step (preempted: vLLM may have given its blocks out again) or earlier
+        # gets no range; its abort is issued in end_step, before its terminal call
+        skip = self._cut | {key for _rid, key in meta.abort_send}
+        self._step = [  # layer groups stream one KV-cache group (a flat table): kv_ready refuses others
+            (it, expand_group_ids(it.block_ids, self.cache.ratio))
+            for it in (*meta.ready, *meta.send)
+            if it.key not in skip and it.block_ids and isinstance(it.block_ids[0], int)
+        ]
+        self.groups.reset()
+
+    def save_kv_layer(self, meta: KVPushConnectorMetadata, layer_name: str) -> None:
+        """An attention layer of this step's forward pass has written its KV: once that completes a layer
+        group, every prompt computed in this step reports the group ready, with its own barrier."""
+        if meta is not self._step_meta:
+            self._begin_layers(meta)
+        if not self._step or self.groups is None or self.endpoint is None or self.cache is None:
+            return
+        self.layer_calls += 1
+        if layer_name not in self.groups.index and self.layer_calls == 1:
+            log.warning("kvpush: save_kv_layer for %r, a layer not among the KV caches", layer_name)
+        layers = self.groups.saved(layer_name)
+        if layers is None:
+            return
+        barrier = self.cache.kv_written_barrier()
+        for it, blocks in self._step:
+            self.endpoint.kv_ready(
+                it.key,
+                blocks,
+                it.num_tokens,
+                layers=layers,
+                kv_written=barrier,
+                decode_engine_id=it.decode_engine_id,
+            )
+            self._layered.add(it.key)
+            self.layer_ranges += 1
+
     def end_step(self, meta: KVPushConnectorMetadata) -> None:
         """After the forward pass: the KV this step computed is in memory now; hand it over (whole prompts
         in meta.send, streamed chunks in meta.ready)."""
+        self._step, self._step_meta = [], None
         if self.endpoint is None or self.cache is None or not (meta.send or meta.abort_send or meta.ready):
             return
         # Device kernels write the KV on a stream: the backend records a marker here (CUDA: an event on
@@ -88,6 +143,8 @@ class PrefillWorker(WorkerBase):
         # aborts first: a request preempted mid-stream is aborted before its prefill_done in this step
         for _rid, key in meta.abort_send:
             self.endpoint.abort(key, "request aborted on prefill")
+            if key in self._layered:
+                self._cut.add(key)
         for it in meta.ready:
             self.endpoint.kv_ready(
                 it.key,
@@ -98,6 +155,8 @@ class PrefillWorker(WorkerBase):
             )
         for it in [*meta.stop, *meta.send]:  # stop: aborted mid-stream, ended by its terminal call
             self._hand(it, now, barrier)
+            self._layered.discard(it.key)
+            self._cut.discard(it.key)
         self.publish_stats(news=True)
 
     def _hand(self, it: SendItem, now: float, barrier: Callable[[], None] | None) -> None:
@@ -190,6 +249,8 @@ class PrefillWorker(WorkerBase):
             "sent_failed": self.sent_failed,
             "send_bytes": self.send_bytes,
             "push_s": list(self.push_s),
+            "layer_ranges": self.layer_ranges,
+            "layer_calls": self.layer_calls,
         }
 
     def outstanding(self) -> int:

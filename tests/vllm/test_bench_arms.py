@@ -17,6 +17,11 @@ def test_every_connector_is_an_arm_and_kvpush_runs_one_piece_and_streamed() -> N
     assert bench_vllm.ARMS["kvpush"] == ("kvpush", {})
     connector, extra = bench_vllm.ARMS["kvpush-streamed"]
     assert connector == "kvpush" and extra == {"stream": True}
+    connector, extra = bench_vllm.ARMS["kvpush-layers"]
+    assert connector == "kvpush" and extra == {"stream_layers": 8}
+    layers = ConnectorSettings.from_extra("prefill", "p", extra, block_size=16, tp_size=1, pp_size=1)
+    assert layers.stream and layers.stream_layers == 8
+    bench_vllm.check_arm("kvpush-layers")
 
 
 def test_the_streamed_arm_turns_streaming_on_in_the_connectors_own_settings() -> None:

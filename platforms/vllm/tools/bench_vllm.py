@@ -44,6 +44,7 @@ from .vllm_router import ROUTERS
 ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "kvpush": ("kvpush", {}),
     "kvpush-streamed": ("kvpush", {"stream": True}),
+    "kvpush-layers": ("kvpush", {"stream_layers": 8}),  # also every 8 layers within a step (save_kv_layer)
     "nixl-push": ("nixl-push", {}),
     "nixl-pull": ("nixl-pull", {}),
 }
@@ -67,7 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--connectors",
         default="kvpush,nixl-push,nixl-pull",
         help=f"comma-separated set-ups, run side by side: {', '.join(ARMS)} (kvpush-streamed: kvpush's "
-        "push per prefill chunk; give the prefill several chunks with --max-num-batched-tokens)",
+        "push per prefill chunk; give the prefill several chunks with --max-num-batched-tokens; kvpush-layers: "
+        "also every 8 layers of each step as vLLM writes them)",
     )
     parser.add_argument(
         "--request-rate", dest="qps", metavar="RATES", default="1,4", help="comma-separated request rates"
