@@ -102,7 +102,7 @@ def check_stage(peer: KVLayout, rank: int, prefill_tp: int, prefill_pp: int) -> 
     """LayoutError unless the prefill rank that answered at global rank `rank` is the one the decode was
     told about (a PrefillAddress with prefill_tp x prefill_pp ranks): a stage left out of the address
     leaves its layers unwritten, yet each stage alone passes check_compatible."""
-    if peer.pp_size != prefill_pp or peer.tp_size != prefill_tp:
+    if peer.pp_size != prefill_pp or (prefill_pp > 1 and peer.tp_size != prefill_tp):  # PP numbers by TP
         raise LayoutError(
             f"prefill rank {rank} runs PP {peer.pp_size} x TP {peer.tp_size}, but the decode was given "
             f"PP {prefill_pp} x TP {prefill_tp} (PrefillAddress.pp_size / tp_size): a stage left out "
