@@ -5,17 +5,14 @@ concurrency, and the layer ranges really were reported (the counter proves vLLM 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import start_pd, start_single
 from kvpush.platforms.vllm.tools.tiny_model import build
-from tests.vllm.test_stream_vllm import CHUNK, LENGTHS, MAX_TOKENS, _stats, _wait
+from tests.vllm.test_stream_vllm import LENGTHS, MAX_TOKENS, _stats, _wait, start_reference, start_streamed_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -27,21 +24,14 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("vllm-stream-layers-logs")
-    stats = logs / "stats"
-    base = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
-    prefill = {**base, "stream_layers": 1, "stream_min_tokens": 0, "stream_min_bytes": 0}
-    chunked = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
-    dep = start_pd("kvpush", model, logs, prefill_extra=prefill, decode_extra=base, prefill_args=chunked)
-    dep.stats_dir = stats  # type: ignore[attr-defined]
-    dep.logs = logs  # type: ignore[attr-defined]
+    dep = start_streamed_pd(model, tmp_path_factory.mktemp("vllm-stream-layers-logs"), {"stream_layers": 1})
     yield dep
     dep.stop()
 
 
 @pytest.fixture(scope="module")
 def single(model: str, pd):
-    dep = start_single(model, Path(pd.logs), cores="0")  # after the pair: the start-ups share 2 cores
+    dep = start_reference(model, pd)
     yield dep
     dep.stop()
 

@@ -31,23 +31,34 @@ def model() -> str:
     return str(build("fast"))
 
 
-@pytest.fixture(scope="module")
-def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("vllm-stream-logs")
+def start_streamed_pd(model: str, logs: Path, streaming: dict):
+    """A kvpush P/D pair whose prefill runs chunked prefill (CHUNK tokens a step) with `streaming` keys and
+    thresholds 0; `stats_dir` and `logs` ride on the deployment (shared with test_stream_layers_vllm.py)."""
     stats = logs / "stats"
     base = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
-    prefill = {**base, "stream": True, "stream_min_tokens": 0, "stream_min_bytes": 0}
+    prefill = {**base, **streaming, "stream_min_tokens": 0, "stream_min_bytes": 0}
     chunked = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
     dep = start_pd("kvpush", model, logs, prefill_extra=prefill, decode_extra=base, prefill_args=chunked)
     dep.stats_dir = stats  # type: ignore[attr-defined]
     dep.logs = logs  # type: ignore[attr-defined]
+    return dep
+
+
+def start_reference(model: str, pd):
+    """The single engine to compare with, started after the pair: the start-ups share 2 cores."""
+    return start_single(model, Path(pd.logs), cores="0")
+
+
+@pytest.fixture(scope="module")
+def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
+    dep = start_streamed_pd(model, tmp_path_factory.mktemp("vllm-stream-logs"), {"stream": True})
     yield dep
     dep.stop()
 
 
 @pytest.fixture(scope="module")
 def single(model: str, pd):
-    dep = start_single(model, Path(pd.logs), cores="0")  # after the pair: the start-ups share 2 cores
+    dep = start_reference(model, pd)
     yield dep
     dep.stop()
 
