@@ -101,6 +101,12 @@ def _bind_retrying(sock: zmq.Socket[Any], address: str) -> None:
             time.sleep(0.05)
 
 
+# pyzmq's options and flags as plain ints: combined with an int (EVENTS' answer, SNDMORE inside
+# send_multipart) an IntFlag goes through Python-level enum code, on every loop round and every message
+_OPT_EVENTS, _OPT_RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_POLLIN, _NOBLOCK, _NOBLOCK_MORE = int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
+
+
 class _ZmqListener:
     def __init__(self, ctx: zmq.Context[Any], host: str, port: int, max_bytes: int) -> None:
         sock = ctx.socket(zmq.ROUTER)
@@ -118,19 +124,24 @@ class _ZmqListener:
 
     def recv(self) -> tuple[bytes, bytes | None] | None:
         # every loop round asks; an empty socket answers from EVENTS at half the cost of a raised Again
-        if not self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # (plain ints: `int & zmq.POLLIN` builds a new IntFlag through the enum machinery each time)
+        sock = self.sock
+        if not sock.getsockopt(_OPT_EVENTS) & _POLLIN:
             return None
         try:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            frames = [sock.recv(_NOBLOCK)]
         except zmq.Again:
             return None
+        while sock.getsockopt(_OPT_RCVMORE):  # a message's parts arrive together: the rest are here
+            frames.append(sock.recv(_NOBLOCK))
         if len(frames) != 2:
             return (frames[0] if frames else b""), None
         return frames[0], frames[1]
 
     def send(self, conn: bytes, data: bytes) -> None:
         try:
-            self.sock.send_multipart([conn, data], zmq.NOBLOCK)
+            self.sock.send(conn, _NOBLOCK_MORE)
+            self.sock.send(data, _NOBLOCK)
         except zmq.ZMQError as exc:
             raise TransportError(f"side channel reply failed: {exc}") from exc
 

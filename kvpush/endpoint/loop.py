@@ -41,8 +41,10 @@ class Doorbell:
         os.set_blocking(self.write_fd, False)
 
     def ring(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):  # already ringing, or closed
+        try:  # noqa: SIM105 - not contextlib.suppress: this runs on the engine thread, on the clock
             os.write(self.write_fd, b"x")
+        except OSError:  # already ringing (BlockingIOError), or closed
+            pass
 
     def clear(self) -> None:
         """Empty the pipe, in one read when it holds less than 4 KiB (each system call here may hand the
@@ -77,6 +79,7 @@ class TransferThread:
         self.fatal: BaseException | None = None
         self.closed = False
         self._doorbell_closed = False
+        self._rang = False  # the doorbell woke the thread and is emptied at the end of this round
 
     # lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -197,19 +200,26 @@ class TransferThread:
         spin = self.config.pacing.spin_s
         nap = fast
         active = 0.0  # when a command or a round last did something (the spin window counts from here)
+        commands = self.commands
         while not self._stop.is_set():
-            while True:
-                try:
-                    cmd = self.commands.get_nowait()
-                except queue.Empty:
-                    break
-                cmd()
+            # asked with empty() (C) rather than a raised queue.Empty: one consumer, so nothing takes a
+            # command between the two calls, and an idle round builds no exception
+            while not commands.empty():
+                commands.get_nowait()()
                 nap = fast
                 active = time.monotonic()
             now = time.monotonic()
             if self.step(now):
                 nap = fast
                 active = now
+                continue
+            if self._rang:
+                # empty the doorbell only now, after the work it announced (its read is a system call
+                # that may hand the GIL to the engine's thread before that work starts), then look for
+                # commands again before any wait: a ring after this read wakes the next wait, and a
+                # command whose ring this read took is found by that second look
+                self._rang = False
+                self.doorbell.clear()
                 continue
             if self.busy():
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
@@ -228,7 +238,10 @@ class TransferThread:
                 nap = fast
 
     def _wait(self, timeout_ms: int) -> None:
-        """Block for a doorbell or a side-channel message; empty the doorbell only when it rang (a message
-        that woke the thread goes to work without a system call more)."""
-        if any(fd == self.doorbell.read_fd for fd, _ in self.poller.poll(timeout_ms)):
-            self.doorbell.clear()
+        """Block for a doorbell or a side-channel message. The doorbell is not emptied here: the loop does
+        it after the work the ring announced (a message that woke the thread needs no read at all)."""
+        bell = self.doorbell.read_fd
+        for fd, _ in self.poller.poll(timeout_ms):
+            if fd == bell:
+                self._rang = True  # emptied once the round's work is done (_loop)
+                return

@@ -7,8 +7,8 @@
 
 The push thread runs a non-reentrant action pump over three parts that return values, never call each
 other: the decode connections (prefill_conns.py) yield events for the sender machine; the machine
-(protocol/sender.py) returns actions; each StartWrite becomes a WriteOrder (protocol/order.py, one trip)
-queued on the WRITE scheduler (writes.py), whose settlements come back, one `Settled` per WRITE, through
+(protocol/sender.py) returns actions; each StartWrite becomes a WriteOrder (protocol/order.py, one trip;
+push_actions.py carries the actions out) queued on the WRITE scheduler (writes.py), whose settlements come back, one `Settled` per WRITE, through
 `_settle`, the one place the machine hears a WRITE's outcome.
 """
 
@@ -23,11 +23,11 @@ from collections.abc import Callable, Iterable
 import zmq
 
 from ..config import KVPushConfig
-from ..errors import LayoutError, PeerGone, TransportError
+from ..errors import LayoutError, TransportError
 from ..protocol.groups import BlockIds, TableArg
 from ..protocol.layout import KVLayout
-from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
 from ..protocol.plan import build_plan
+from ..protocol.prepared import Half, PairUnits
 from ..protocol.reasons import Failure
 from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
 from ..protocol.wire import Posted
@@ -45,17 +45,17 @@ from .base import (
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
 from .early import HeldCalls, ReadyCall
-from .posting import write_spec
 from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections
+from .push_actions import PushActions
 from .stats import Count
-from .writes import Settled, WriteScheduler, failure_of
+from .writes import Settled, WriteScheduler
 
 __all__ = ["MAX_MESSAGES_PER_ROUND", "TIMELINE", "PrefillEndpoint", "PushThread"]
 
 log = logging.getLogger("kvpush")
 
 
-class PushThread(EndpointThread[SendResult]):
+class PushThread(PushActions, EndpointThread[SendResult]):
     name = "kvpush-push"
     role = "prefill"
 
@@ -84,6 +84,10 @@ class PushThread(EndpointThread[SendResult]):
         self.closing = False
         self.bound_port = 0
         self.early = HeldCalls()
+        # sides of a plan made before the other side's event (push_actions.py: the trigger plans one side)
+        self.src_half: dict[str, Half] = {}
+        self.dst_half: dict[str, dict[tuple[int, int], Half]] = {}  # request -> (attempt, decode rank)
+        self.last_units: PairUnits | None = None
 
     def setup(self) -> None:
         self.config.check_listen()  # beyond loopback only with authentication (or explicitly without)
@@ -186,6 +190,8 @@ class PushThread(EndpointThread[SendResult]):
             peer = self.conns.peers.get((reg.decode_engine_id, reg.decode_rank))
             align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
             self._apply(self.state.on_registration(reg, event.at, align))
+            if reg.request_id not in self.prefill_done_at:
+                self._plan_dst_early(reg)
         elif isinstance(event, DecodeAborted):
             self._apply(self.state.on_decode_abort(event.abort, time.monotonic()))
         else:
@@ -263,98 +269,6 @@ class PushThread(EndpointThread[SendResult]):
             )
         return follow
 
-    def _start_write(self, act: StartWrite) -> list[SenderAction]:
-        """A StartWrite becomes a queued WRITE: the source made ready, then one trip into protocol/
-        (write_order: plan and sealed notification); a failure settles it at once."""
-        now = time.monotonic()
-        self.ledger.add(Count(act.order))
-        dest = (act.decode_engine_id, act.decode_rank)
-        marks = self.timeline.setdefault(act.request_id, {})
-        if act.notify:
-            marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
-        marks.setdefault("registered", now)
-        marks.setdefault("picked", now)
-        try:
-            peer = self.conns.peers.get(dest)
-            if peer is None:
-                raise PeerGone(f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            self._source_ready(act)
-            prep = self.conns.prepared(peer, act.heads)
-            session = self.conns.session(dest)
-            if session is None:
-                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
-        except (LayoutError, TransportError) as exc:
-            return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
-        marks.setdefault("plan_built", time.monotonic())
-        notif = sealed_done(act, self.layout.rank, plan.nbytes, session)
-        lists = None if prep is None else (prep.local, prep.remote)
-        spec = write_spec(plan, notif, peer.agent, self.mem_type, lists)
-        marks.setdefault("sealed", time.monotonic())
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "kvpush push %s: queued %.1f ms, plan %.1f ms, %d descriptors, %d bytes",
-                act.request_id,
-                1e3 * (now - self.prefill_done_at.get(act.request_id, now)),
-                1e3 * (marks["plan_built"] - now),
-                plan.num_descriptors,
-                plan.nbytes,
-            )
-        self.scheduler.queue(act, plan, spec, now)
-        marks.setdefault("queued", time.monotonic())
-        return []
-
-    def _source_ready(self, act: StartWrite) -> None:
-        """Before the first WRITE from a request's blocks: wait for the engine's "KV written" barrier
-        (a device event, say) and let the backend stage the blocks; both run here, on the push thread."""
-        for barrier in self.kv_written.pop(act.request_id, ()):  # every range reported so far: all in order
-            try:
-                barrier()
-            except Exception as exc:  # a failed barrier fails this request, not the thread
-                raise TransportError(f"the engine's KV-written barrier failed: {exc!r}") from exc
-        if self.hooks is not None and act.request_id not in self.staged:
-            try:
-                self.hooks.before_write(act.request_id, act.src_blocks)
-            except Exception as exc:  # likewise: the request fails with the reason
-                raise TransportError(f"staging the source blocks failed: {exc!r}") from exc
-            self.staged.add(act.request_id)
-
-    def _notify_done(self, act: NotifyDone) -> None:
-        """Every range landed and no WRITE carried the notification: it goes alone."""
-        dest = (act.decode_engine_id, act.decode_rank)
-        peer, session = self.conns.peers.get(dest), self.conns.session(dest)
-        try:
-            if peer is None or session is None:
-                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            notice = done_notice(act.request_id, act.attempt, self.layout.rank, act.nbytes, session)
-            self.transport.send_notif(peer.agent, notice)
-        except TransportError as exc:  # the decode's fence or liveness check ends its wait
-            log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
-
-    def _notify_failure(self, act: NotifyFailure) -> None:
-        dest = (act.decode_engine_id, act.decode_rank)
-        peer = self.conns.peers.get(dest)
-        if peer is None:
-            log.warning(
-                "kvpush prefill: cannot tell decode %s rank %s that %s failed: %s (no handshake)",
-                act.decode_engine_id,
-                act.decode_rank,
-                act.request_id,
-                act.reason,
-            )
-            return
-        if act.kind is Failure.EXPIRED:
-            self.ledger.add(Count.EXPIRED)
-        try:
-            session = self.conns.session(dest)
-            if session is None:
-                raise TransportError(
-                    f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}"
-                )
-            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
-        except TransportError as exc:
-            log.warning("kvpush prefill: %s", exc)
-
     def _release(self, act: ReleaseSource) -> None:
         now = time.monotonic()
         until = self.reads_until.pop(act.request_id, 0.0)
@@ -364,6 +278,8 @@ class PushThread(EndpointThread[SendResult]):
         started = self.prefill_done_at.pop(act.request_id, None)
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)
+        self.src_half.pop(act.request_id, None)
+        self.dst_half.pop(act.request_id, None)
         self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
         marks = self.timeline.pop(act.request_id, {})
         if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
@@ -398,6 +314,8 @@ class PushThread(EndpointThread[SendResult]):
             self.kv_written.setdefault(request_id, []).append(kv_written)
         now = time.monotonic()
         self._apply(self.state.on_prefill_done(request_id, block_ids, num_tokens, now, decode_engine_id))
+        if request_id in self.prefill_done_at and "picked" not in self.timeline.get(request_id, ()):
+            self._plan_src_early(request_id, block_ids, num_tokens)  # no WRITE yet: no registration
 
     def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
         if c.kv_written is not None:

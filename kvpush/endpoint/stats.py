@@ -68,6 +68,7 @@ class Count(enum.Enum):
     PREPARED_LISTS = "prepared_lists"  # descriptor lists prepared at handshake (two per pair)
     PREPARED_DESCRIPTORS = "prepared_descriptors"  # descriptors the data plane holds in them
     OWED_NOTHING = "owed_nothing"  # prefill_done on a rank that owes no decode rank KV (never `ok`)
+    FAILED_EXPIRED = "failed_expired"  # requests ended by a lease or registration running out
 
 
 class High(enum.Enum):
@@ -134,6 +135,9 @@ class Counters:
     prepared_descriptors: int = 0
     # requests released at once, ok, by a prefill rank that owes no decode rank KV (replicated heads)
     owed_nothing: int = 0
+    # failed requests whose lease or registration ran out (on a prefill with no registration: the decode
+    # never heard of the request, e.g. its client left before the decode's API server passed it on)
+    failed_expired: int = 0
 
 
 class Ledger:
@@ -176,6 +180,8 @@ class Ledger:
         REQUESTS.labels(*self.labels, "ok" if ok else "failed").inc()
         if not ok:
             FAILURES.labels(*self.labels, "unknown" if failure is None else failure.value).inc()
+            if failure is Failure.EXPIRED:
+                self.add(Count.FAILED_EXPIRED)
         if ok and latency_s is not None:
             self._latency.labels(*self.labels).observe(latency_s)
 

@@ -27,73 +27,16 @@ from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
-import numpy.typing as npt
 
 from ..errors import LayoutError
 from .groups import BlockIds, Table, TableArg, as_block_ids, check_group_tables, is_flat
 from .layout import KVLayout, blocks_for, check_compatible
 from .plan import group_tokens
+from .units import I32, I64, IndexPlan, PairUnits, SideUnits
 
-I64 = npt.NDArray[np.int64]
-I32 = npt.NDArray[np.int32]
+__all__ = ["Half", "IndexPlan", "PairUnits", "SideUnits", "build_index_plan", "half_plan", "pair_units"]
 
 _INT32_MAX = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SideUnits:
-    """One side's units: the strided rows to prepare, and index = plane_base[p] + blk * blk_mult +
-    slot * slot_mult for unit `slot` of block `blk` in plane p (planes in (layer, kv) order)."""
-
-    rows: I64  # N x 5: (addr, len, device, stride, count)
-    plane_base: I64
-    blk_mult: int
-    slot_mult: int
-    dense: bool  # units adjacent in memory have adjacent indices in one row (NIXL can merge them)
-    block_outer: bool  # the block index is the outermost index (block-major dense)
-    slots: int  # units per block
-
-    @property
-    def num_units(self) -> int:
-        return int(self.rows[:, 4].sum())
-
-
-@dataclass(frozen=True)
-class PairUnits:
-    """Everything about a (source layout, destination layout, heads) pair that does not depend on the
-    request: computed once per peer, reused by every request."""
-
-    src: KVLayout
-    dst: KVLayout
-    heads: tuple[int, int]
-    mode: str  # "token" (NHD head slice per token), "nhd" (chunk x all heads), "hnd" (chunk x one head)
-    chunk: int  # tokens per unit
-    unit_bytes: int  # bytes per unit
-    s: SideUnits
-    d: SideUnits  # its plane_base is indexed by src's planes: each src plane's dst plane (PP, layer ids)
-    plane_layer: I64  # src's local layer of each src plane, (layer, kv) order
-    plane_group: I64  # KV-cache group of each src plane
-
-    @property
-    def mergeable(self) -> bool:
-        return self.s.dense and self.d.dense
-
-
-@dataclass(frozen=True)
-class IndexPlan:
-    """A request as indices into the pair's prepared lists (int32, as make_prepped_xfer takes them)."""
-
-    src_idx: I32
-    dst_idx: I32
-    unit_bytes: int
-    num_descriptors: int  # after merging consecutive indices (what NIXL posts)
-    num_tokens: int
-    num_blocks: int  # source blocks covered
-    nbytes: int  # the request's KV bytes (what build_plan moves); wire_bytes adds the last unit's rest
-
-    @property
-    def wire_bytes(self) -> int:
-        return int(self.src_idx.shape[0]) * self.unit_bytes
 
 
 def _mode(src: KVLayout, dst: KVLayout, heads: tuple[int, int]) -> tuple[str, int, int]:
@@ -288,22 +231,59 @@ def _planes(pair: PairUnits, layers: range | None) -> _Planes:
     return made
 
 
+@dataclass(frozen=True)
+class Half:
+    """One side of a short one-piece request's plan, made when that side's table is known before the
+    other's: the later event (the trigger) then plans only the other side. Used only where it matches."""
+
+    pair: PairUnits
+    block_ids: TableArg  # as given; a plan uses the half only for this very table
+    num_tokens: int
+    pieces: list[int]
+    idx: I32  # every plane's pieces (planes in ascending source order), as the plan posts them
+
+    def fits(self, pair: PairUnits, block_ids: TableArg, num_tokens: int) -> bool:
+        return self.pair is pair and self.num_tokens == num_tokens and self.block_ids == block_ids
+
+
+def half_plan(pair: PairUnits, dst: bool, block_ids: TableArg, num_tokens: int) -> Half | None:
+    """The source's (dst False) or destination's half of a whole request's plan (every layer); None for
+    a request the array path plans, or a table that does not check (the full plan then says why)."""
+    moved = _small_moved(pair, num_tokens)
+    layout, side = (pair.dst, pair.d) if dst else (pair.src, pair.s)
+    table = None if moved is None else plain_table(layout, block_ids, num_tokens)
+    if moved is None or table is None:
+        return None
+    pieces = _pieces_py(layout, side, pair, table, moved)
+    pl = _planes(pair, None)
+    idx = np.add.outer(pl.d_base if dst else pl.s_base, np.asarray(pieces, dtype=np.int32)).ravel()
+    return Half(pair, block_ids, num_tokens, pieces, idx)
+
+
 def _small_plan(
-    pair: PairUnits, s_tab: tuple[int, ...], d_tab: tuple[int, ...], num_tokens: int, layers: range | None
+    pair: PairUnits,
+    s_tab: tuple[int, ...],
+    d_tab: tuple[int, ...],
+    num_tokens: int,
+    layers: range | None,
+    halves: tuple[Half | None, Half | None] = (None, None),
 ) -> IndexPlan:
     """A short request: one plane row's pieces in Python, then every plane by one outer sum. The
     descriptor count follows from the row: the breaks inside it repeat in every plane, and two
-    neighbouring planes join where the gap between their bases closes the row exactly."""
+    neighbouring planes join where the gap between their bases closes the row exactly. `halves`:
+    (source, destination) sides made before (whole requests only), or None."""
     src, dst = pair.src, pair.dst
-    s_p = _pieces_py(src, pair.s, pair, s_tab, num_tokens)
-    d_p = _pieces_py(dst, pair.d, pair, d_tab, num_tokens)
+    s_half, d_half = halves
+    s_p = s_half.pieces if s_half else _pieces_py(src, pair.s, pair, s_tab, num_tokens)
+    d_p = d_half.pieces if d_half else _pieces_py(dst, pair.d, pair, d_tab, num_tokens)
     if any(b <= a for a, b in itertools.pairwise(s_p)):
         order = sorted(range(len(s_p)), key=s_p.__getitem__)  # stable, as the array path's argsort
         s_p, d_p = [s_p[i] for i in order], [d_p[i] for i in order]
+        s_half = d_half = None  # their indices follow the unsorted pieces
     pl = _planes(pair, layers)
     n_planes = int(pl.s_base.shape[0])
-    s_idx = np.add.outer(pl.s_base, np.asarray(s_p, dtype=np.int32)).ravel()
-    d_idx = np.add.outer(pl.d_base, np.asarray(d_p, dtype=np.int32)).ravel()
+    s_idx = s_half.idx if s_half else np.add.outer(pl.s_base, np.asarray(s_p, dtype=np.int32)).ravel()
+    d_idx = d_half.idx if d_half else np.add.outer(pl.d_base, np.asarray(d_p, dtype=np.int32)).ravel()
     if pair.mergeable:
         pairs = zip(itertools.pairwise(s_p), itertools.pairwise(d_p), strict=True)
         breaks = sum(1 for (a, b), (c, d) in pairs if b != a + 1 or d != c + 1)
@@ -366,31 +346,45 @@ def _tables(layout: KVLayout, block_ids: TableArg, num_tokens: int, who: str) ->
     return (table[: blocks_for(num_tokens, layout.block_size)],)
 
 
+def _small_moved(pair: PairUnits, num_tokens: int) -> int | None:
+    """The tokens a short request moves (planned in plain Python over one plane row), else None."""
+    src = pair.src
+    if src.num_groups != 1 or src.window(0) or pair.s.block_outer:
+        return None
+    moved = src.tokens_to_move(num_tokens)
+    g0, g1 = pair.heads
+    pieces = -(-moved // pair.chunk) * (g1 - g0 if pair.mode == "hnd" else 1)
+    return moved if pieces <= SMALL_PLAN_PIECES else None
+
+
 def build_index_plan(
     pair: PairUnits,
     src_blocks: TableArg,
     dst_blocks: TableArg,
     num_tokens: int,
     layers: range | None = None,
+    halves: tuple[Half | None, Half | None] = (None, None),
 ) -> IndexPlan:
     """The first `num_tokens` tokens of src's blocks onto dst's blocks, as prepared-list indices: per
     KV-cache group through its own tables, only the window's tokens (as `build_plan`).
 
     `layers` restricts the plan to a layer range (a later layer-streamed push posts one per group).
+    `halves`: (source, destination) halves made earlier (`half_plan`); each is used (its table already
+    checked) only if it was made for this pair, table and token count, and only for a whole request.
     """
     src, dst = pair.src, pair.dst
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
-    s_tabs = _tables(src, src_blocks, num_tokens, "prefill")
-    d_tabs = _tables(dst, dst_blocks, num_tokens, "decode")
+    moved = _small_moved(pair, num_tokens)
+    s_half, d_half = (None, None) if layers is not None or moved is None else halves
+    s_half = s_half if s_half is not None and s_half.fits(pair, src_blocks, num_tokens) else None
+    d_half = d_half if d_half is not None and d_half.fits(pair, dst_blocks, num_tokens) else None
+    s_tabs = ((),) if s_half else _tables(src, src_blocks, num_tokens, "prefill")
+    d_tabs = ((),) if d_half else _tables(dst, dst_blocks, num_tokens, "decode")
     if layers is not None and (layers.start < 0 or layers.stop > src.num_layers):
         raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
-    moved = src.tokens_to_move(num_tokens)
-    g0, g1 = pair.heads
-    if src.num_groups == 1 and not src.window(0) and not pair.s.block_outer:
-        pieces = -(-moved // pair.chunk) * (g1 - g0 if pair.mode == "hnd" else 1)
-        if pieces <= SMALL_PLAN_PIECES:  # a short request: plain Python over one plane row
-            return _small_plan(pair, s_tabs[0], d_tabs[0], moved, layers)
+    if moved is not None:  # a short request: plain Python over one plane row
+        return _small_plan(pair, s_tabs[0], d_tabs[0], moved, layers, (s_half, d_half))
     return _array_plan(pair, s_tabs, d_tabs, num_tokens, layers)
 
 

@@ -48,6 +48,19 @@ class StreamPolicy:
 
 def pending_ranges(ready: Sequence[int], sent: Sequence[int], target: int, align: int) -> list[Range]:
     """Ranges ready for a rank that needs `target` tokens and has been sent `sent` (per layer)."""
+    n = len(ready)
+    if n and n == len(sent) and ready.count(ready[0]) == n and sent.count(sent[0]) == n:
+        # one frontier for every layer (a request moved in one piece, or every layer reported alike):
+        # the loop below would give one range over all layers; found without building one per layer
+        hi, done = min(ready[0], target), sent[0]
+        if hi < target:
+            hi -= hi % align
+        return [Range(done, hi, 0, n)] if hi > done else []
+    return per_layer_ranges(ready, sent, target, align)
+
+
+def per_layer_ranges(ready: Sequence[int], sent: Sequence[int], target: int, align: int) -> list[Range]:
+    """pending_ranges layer by layer (any frontiers)."""
     out: list[Range] = []
     for layer, (have, done) in enumerate(zip(ready, sent, strict=True)):
         hi = min(have, target)

@@ -479,8 +479,8 @@ class SenderState(RangePosting):
             actions += self._post_ranges(entry, now)
         if entry.writing():
             return actions
-        states = {r.state for r in entry.ranks.values()}
-        if entry.phase is SendPhase.OPEN and entry.ranks and states == {DecodeRankState.DONE}:
+        done = all(r.state is DecodeRankState.DONE for r in entry.ranks.values())
+        if entry.phase is SendPhase.OPEN and entry.ranks and done:
             assert entry.src_blocks is not None  # DONE ranks were written from it
             actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
             self._finish(entry, None)

@@ -101,8 +101,7 @@ class RangePosting:
         self._move(rank, RankEvent.START)
         rank.inflight += 1
         rank.final_posted = notify
-        for layer in range(r.l0, r.l1):
-            rank.sent[layer] = r.t1
+        rank.sent[r.l0 : r.l1] = [r.t1] * (r.l1 - r.l0)
         layers = None if (r.l0, r.l1) == (0, self.num_layers) else (r.l0, r.l1)
         return StartWrite(
             entry.request_id,

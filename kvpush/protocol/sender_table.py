@@ -75,9 +75,17 @@ SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ig
 del S, E
 
 
+# The same table keyed by the members' values: hashing an enum member runs Python code (Enum.__hash__),
+# and every WRITE moves a rank two or three times on the push thread's path.
+_BY_VALUE = {(s.value, e.value): nxt for (s, e), nxt in SENDER_TRANSITIONS.items()}
+
+
 def sender_transition(state: DecodeRankState, event: RankEvent) -> DecodeRankState:
     """The next state, per the table above; a pair it does not list is a LocalProtocolError."""
-    return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
+    nxt = _BY_VALUE.get((state._value_, event._value_))
+    if nxt is None:  # not in the table: the general lookup raises, naming the pair
+        return transition(SENDER_TRANSITIONS, state, event, "sender (decode rank)")
+    return state if isinstance(nxt, Ignore) else nxt
 
 
 @dataclass

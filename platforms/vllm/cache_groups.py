@@ -26,6 +26,7 @@ class CacheGroup:
 
     window: tokens a window group keeps (vLLM frees the blocks before them); 0 for every other kind.
     spec: the spec's class name (names what kvpush refuses when kind is "other").
+    block_size: tokens per block of this group's table (the spec's); 0 where the spec names none.
     """
 
     layer_names: tuple[str, ...]
@@ -34,6 +35,7 @@ class CacheGroup:
     num_kv_heads: int
     head_size: int
     spec: str
+    block_size: int = 0
 
     def describe(self) -> str:
         what = {"full": "full attention", "window": f"window {self.window}", "mla": "MLA latent"}
@@ -76,9 +78,30 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
                 num_kv_heads=int(getattr(spec, "num_kv_heads", 0) or 0),
                 head_size=int(getattr(spec, "head_size", 0) or 0),
                 spec=type(spec).__name__,
+                block_size=int(getattr(spec, "block_size", 0) or 0),
             )
         )
     return tuple(out)
+
+
+def groups_block_size(groups: tuple[CacheGroup, ...], configured: int) -> int:
+    """Tokens per block of the tables vLLM hands the connector: the groups' spec block size, else
+    `configured` (cache_config.block_size; no groups known, or their specs name none).
+
+    Why not always cache_config.block_size: a sliding-window spec picks its own block size. vLLM 0.29
+    gives an all-window model's one group the attention kernel's smallest block (32 tokens on CPU)
+    while cache_config says 128; read as 128-token blocks, its tables name the wrong tokens (the
+    window's blocks look freed). Where several groups share a table geometry vLLM scales them to one
+    page and one block size; kvpush's layout has one block size, so groups that differ are refused."""
+    sizes = sorted({g.block_size for g in groups if g.block_size > 0})
+    if not sizes:
+        return configured
+    if len(sizes) > 1:
+        raise LayoutError(
+            f"vLLM's KV-cache groups have different block sizes ({', '.join(map(str, sizes))} tokens: "
+            f"{[g.describe() + ' ' + str(g.block_size) for g in groups]}); kvpush moves one block size"
+        )
+    return sizes[0]
 
 
 def group_of_layers(groups: tuple[CacheGroup, ...], names: list[str]) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpush.errors import ConfigError, LocalProtocolError
 
 from .block_table import manager_or_table
-from .cache_groups import cache_groups
+from .cache_groups import CacheGroup, cache_groups, groups_block_size
 from .decode_scheduler import DecodeScheduler
 from .decode_worker import DecodeWorker
 from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
@@ -56,7 +56,9 @@ if TYPE_CHECKING:
 __all__ = ["KVPushConnector", "KVPushConnectorMetadata", "KVTransferParams", "transfer_key"]
 
 
-def settings_from_vllm(vllm_config: VllmConfig) -> ConnectorSettings:
+def settings_from_vllm(vllm_config: VllmConfig, groups: tuple[CacheGroup, ...] = ()) -> ConnectorSettings:
+    """groups: vLLM's KV-cache groups (cache_groups); their spec's block size is the tables' block size
+    where it differs from cache_config's (groups_block_size)."""
     ktc = vllm_config.kv_transfer_config
     if ktc is None:
         raise ConfigError("KVPushConnector needs --kv-transfer-config")
@@ -71,7 +73,7 @@ def settings_from_vllm(vllm_config: VllmConfig) -> ConnectorSettings:
         "prefill" if ktc.is_kv_producer else "decode",
         str(ktc.engine_id or "kvpush"),
         dict(ktc.kv_connector_extra_config or {}),
-        block_size=int(vllm_config.cache_config.block_size),
+        block_size=groups_block_size(groups, int(vllm_config.cache_config.block_size)),
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         pp_size=pp_size,
     )
@@ -85,13 +87,13 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             super().__init__(vllm_config, role)  # type: ignore[call-arg]  # older vLLM
         else:
             super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = settings_from_vllm(vllm_config)
+        # vLLM's KV-cache groups (one block table each); () where vLLM passes no KV-cache config
+        self.groups = cache_groups(kv_cache_config)
+        self.settings = settings_from_vllm(vllm_config, self.groups)
         self._sched: PrefillScheduler | DecodeScheduler | None = None
         self._worker: PrefillWorker | DecodeWorker | None = None
         # Which method vLLM collects results with decides how failures reach it (see get_finished).
         self._failures_by_blocks = False
-        # vLLM's KV-cache groups (one block table each); () where vLLM passes no KV-cache config
-        self.groups = cache_groups(kv_cache_config)
         backoff = window_backoff(self.groups)
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.is_producer:

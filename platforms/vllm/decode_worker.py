@@ -239,6 +239,20 @@ class DecodeWorker(WorkerBase):
             return 409, {**mine, "ok": False, "error": str(exc)}
         return 200, {**mine, "ok": True}
 
+    def release_transfers(self, prefill: PrefillAddress, keys: list[str]) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) for GET /kvpush/release: the proxy's client left. Each key this rank does
+        not track (its request may never have reached this engine) is cancelled, so the prefill ranks
+        that hold its KV free it now rather than at their lease; a tracked one is left to vLLM's abort."""
+        endpoint = self.endpoint
+        if endpoint is None:
+            return 503, {"ok": False, "error": "the decode's kvpush endpoint is closed"}
+        tracked = set(self.by_key)  # a racy read of the engine thread's dict: a key it gains later is
+        # cancelled anyway, and then fails its load as a request whose client is gone would
+        cancelled = [k for k in keys if k not in tracked]
+        for k in cancelled:
+            endpoint.cancel(k, prefill, "released by the proxy: the client left before the decode had it")
+        return 200, {"ok": True, "cancelled": cancelled, "left_to_vllm": [k for k in keys if k in tracked]}
+
     # ---- stats -------------------------------------------------------------------------------
     def counters(self) -> dict[str, Any]:
         return {

@@ -127,6 +127,8 @@ _OWN_KEYS = (
 # host:port it is given: with a shared key, a request must carry this header, an HMAC of its method and
 # target under a key derived from the shared one (a captured request can only repeat the same check).
 PAIRING_HEADER = "X-KVPush-Pairing-Auth"
+PAIRING_ROUTE = "/kvpush/pairing"  # the decode's pairing check (pairing.py)
+RELEASE_ROUTE = "/kvpush/release"  # the proxy frees a left client's transfers (tools/proxy_release.py)
 
 
 def pairing_signature(key: bytes, target: str) -> str:

@@ -7,6 +7,7 @@ Also the DEBUG checksums of a request's KV, which read the same tensors by the s
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import socket
 from typing import TYPE_CHECKING, Any
@@ -74,8 +75,13 @@ def declared_layout(name: str, cls: Any, first_tensor: Any) -> KVCacheDeclaratio
     return RFC_VIEW if first_tensor.dim() == 4 else None
 
 
-def model_tag(vllm_config: VllmConfig, user_tag: str) -> str:
-    """What must match between the two engines' models beyond the KV geometry."""
+def model_tag(vllm_config: VllmConfig, user_tag: str, layer_names: list[str] | None = None) -> str:
+    """What must match between the two engines' models beyond the KV geometry.
+
+    A quantised KV cache (`--kv-cache-dtype fp8`, `fp8_e4m3`, `fp8_e5m2`) adds its dtype name and its
+    per-layer K/V scales: every FP8 format is one byte, so the geometry cannot tell e4m3 from e5m2,
+    and the scales (constants each engine loads from the checkpoint, 1.0 without any) never travel
+    with the blocks, so bytes quantised with one engine's scales are read with the other's."""
     mc = vllm_config.model_config
     hf = mc.hf_config
     arch = ",".join(getattr(hf, "architectures", None) or [])
@@ -83,7 +89,23 @@ def model_tag(vllm_config: VllmConfig, user_tag: str) -> str:
         f"{arch}|layers={getattr(hf, 'num_hidden_layers', '?')}|hidden={getattr(hf, 'hidden_size', '?')}"
         f"|vocab={getattr(hf, 'vocab_size', '?')}|dtype={mc.dtype}"
     )
+    cache_config = getattr(vllm_config, "cache_config", None)  # stand-in configs (tests/backends) have none
+    kv_dtype = str(getattr(cache_config, "cache_dtype", "auto") or "auto")
+    if kv_dtype != "auto":
+        tag += f"|kv={kv_dtype}|kv-scales={kv_scales_digest(vllm_config, layer_names or [])}"
     return f"{tag}|{user_tag}" if user_tag else tag
+
+
+def kv_scales_digest(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """A short digest of every layer's (k_scale, v_scale), as vLLM's attention layers hold them after
+    loading ("-" for a layer that has none)."""
+    ctx = vllm_config.compilation_config.static_forward_context
+    parts = []
+    for name in layer_names:
+        layer = ctx.get(name)
+        k, v = getattr(layer, "_k_scale_float", None), getattr(layer, "_v_scale_float", None)
+        parts.append("-" if k is None or v is None else f"{float(k)!r},{float(v)!r}")
+    return hashlib.sha256(";".join(parts).encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +160,7 @@ def probe_kv_caches(
         total_kv_heads=total_kv_heads,
         tp_rank=rank,
         tp_size=settings.tp_size,
-        model_tag=model_tag(vllm_config, settings.model_tag),
+        model_tag=model_tag(vllm_config, settings.model_tag, list(kv_caches)),
         declared=declared_layout(backend, backend_cls, first),
         features=features,
     )

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvpush.apps.ports import free_port_range
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, MemoryControl, PrefillAddress, PrefillEndpoint
@@ -326,9 +327,9 @@ def test_registrations_are_checked_against_the_handshake_and_per_peer_limits(wor
 def test_prometheus_endpoint_serves_the_metrics_the_code_updates():
     hub = MemoryHub()
     src, dst = caches()
-    sock = zmq.Context.instance().socket(zmq.REP)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    sock.close()
+    # outside the ephemeral range: a port the OS handed out (and took back) can be any outgoing
+    # connection's local port a moment later (CI: "Address already in use" on 37757)
+    port = free_port_range(1)
     p = start_prefill(hub, src, metrics_port=port)
     try:
         s = dealer(p.address[1])
@@ -345,4 +346,35 @@ def test_prometheus_endpoint_serves_the_metrics_the_code_updates():
         ):
             assert name in body
     finally:
+        p.close()
+
+
+def test_a_decode_frozen_past_peer_timeout_fails_what_it_sent_by_name_then_pushes_again():
+    # A starved decode (its thread stuck past peer_timeout_s) is dropped by the prefill, which then refuses
+    # what that connection sends ("hello_first"). The registration sent right after the thaw used to be
+    # lost: the decode re-handshook but waited for it until ready_timeout_s and the prefill held its blocks
+    # until lease expiry. Now it fails at once by name on both sides, and the next request pushes (keyed:
+    # the new session is proven again).
+    hub = MemoryHub()
+    src, dst = caches()
+    key = b"a-shared-secret-of-32-bytes-long"
+    p = start_prefill(hub, src, hmac_key=key, lease_s=30.0, ready_timeout_s=40.0)
+    d = start_decode(hub, dst, hmac_key=key, lease_s=30.0, ready_timeout_s=40.0)
+    try:
+        addr = PrefillAddress("P", *p.address)
+        d.connect(addr)
+        assert push_ok(p, d, addr, "before")[1].ok
+        thaw = threading.Event()
+        d._recv.submit(lambda: thaw.wait(30))  # the decode's thread freezes: silent to the prefill
+        time.sleep(1.5)  # > peer_timeout_s 0.6: the prefill drops it
+        thaw.set()
+        t0 = time.monotonic()
+        got_p, got_d = push_ok(p, d, addr, "right-after")  # sent on the connection the prefill dropped
+        assert not got_d.ok and "no longer knows" in got_d.reason, got_d
+        assert not got_p.ok, got_p  # freed by the decode's Abort, not at lease expiry
+        assert time.monotonic() - t0 < 10.0
+        rp, rd = push_ok(p, d, addr, "next")
+        assert rp.ok and rd.ok, (rp, rd)
+    finally:
+        d.close()
         p.close()

@@ -106,3 +106,19 @@ def test_a_request_held_past_half_a_lease_is_taken_over():
         assert not res.ok and res.block_ids == tuple(pb)
     finally:
         _close(pe, de)
+
+
+def test_a_prompt_no_decode_registers_ends_by_its_lease_and_is_counted_expired():
+    """What a prefill sees when a client leaves before the decode's API server passed the request to its
+    engine: no registration, no abort. The blocks come back at the lease, the failure is EXPIRED, and
+    stats()["failed_expired"] counts it (the disconnect waves tell this hold apart from a leak by it)."""
+    pc, dc, pe, de, addr = _pair(16, 16, lease_s=0.5)
+    try:
+        pb = list(range(1, 9))
+        pe[0].prefill_done("never-registered", pb, 128)
+        (res,) = _wait(pe[0])
+        assert (res.ok, res.failure, res.block_ids) == (False, Failure.EXPIRED, tuple(pb))
+        assert "no registration from decode" in res.reason
+        assert (pe[0].stats()["failed_expired"], pe[0].stats()["failed"]) == (1, 1)
+    finally:
+        _close(pe, de)

@@ -13,7 +13,7 @@ from kvpush.apps.demo.pattern import count_wrong_bytes, fill
 from kvpush.apps.demo.procs import Geometry, make_cache
 from kvpush.apps.ports import free_port_range as _free_port_range
 from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, push_actions
 from kvpush.endpoint.prefill import TIMELINE
 from kvpush.transport.base import listed_descriptors
 
@@ -60,6 +60,21 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
     dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
     pe = [PrefillEndpoint(pcfg, c.layout) for c in p_caches]
     de = [DecodeEndpoint(dcfg, c.layout) for c in d_caches]
+    early: list[tuple[bool, bool]] = []  # per plan: (source half used, destination half used)
+    real_plan = push_actions.build_index_plan
+
+    def spy(pair, src, dst, n, layers=None, halves=(None, None)):
+        plan = real_plan(pair, src, dst, n, layers, halves)
+        s_half, d_half = halves
+        early.append(
+            (
+                s_half is not None and s_half.idx is plan.src_idx,
+                d_half is not None and d_half.idx is plan.dst_idx,
+            )
+        )
+        return plan
+
+    monkeypatch.setattr(push_actions, "build_index_plan", spy)
     try:
         for ep in pe + de:
             ep.start()
@@ -69,6 +84,8 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
         # prefill tables descend, decode tables are shuffled runs: merging must still find the runs
         reqs = [("r0", 200, list(range(40, 27, -1)), [9, 10, 11, 3, 4, 5, 6, 50, 51, 52, 53, 54, 55], True)]
         reqs.append(("r1", 77, [1, 2, 3, 4, 5, 60, 61, 62], [20, 21, 22, 23, 30], False))
+        # r2: ascending tables, registered first
+        reqs.append(("r2", 100, [7, 8, 9, 10, 11, 12, 13], [40, 41, 42, 43, 44, 45, 46], True))
         for rid, n, pb, db, reg_first in reqs:
             pb = pb[: -(-n // p_bs)]
             db = db[: -(-n // d_bs)]
@@ -97,6 +114,17 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
             assert stages == sorted(stages), marks
             for c in d_caches:
                 assert count_wrong_bytes(c.to_host(), c.layout, db, n, 7 + len(rid)) == 0
+        if not block_major:  # short requests: the side known first was planned before the trigger
+            # r1's prefill_done came first (its source side), r2 registered first (its decode side); r0's
+            # descending source is sorted at the trigger, so a side planned in table order is not used
+            k = len(early) // 3  # WRITEs per request: one per (prefill rank, decode rank) pair
+            per_request = [early[i * k : (i + 1) * k] for i in range(3)]
+            assert all(u == (False, False) for u in per_request[0]), early
+            assert all(u[0] for u in per_request[1]) and all(u == (False, True) for u in per_request[2]), (
+                early
+            )
+        for ep in pe:
+            assert not ep._push.src_half and not ep._push.dst_half  # dropped with the requests
         for ep in pe:  # the prepared path was taken (not the build_plan fallback)
             peers = ep._push.conns.peers.values()
             assert peers and all(

@@ -3,6 +3,7 @@ blocks on its doorbell (issue 20 item 4: a thread woken from a block starts its 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -59,3 +60,29 @@ def test_spin_s_is_bounded():
     for bad in (-1e-6, 0.5):
         with pytest.raises(ConfigError, match="spin_s must be within 0..0.1 s"):
             KVPushConfig.from_mapping({"spin_s": bad})
+
+
+def test_doorbell_emptied_after_the_work_and_no_command_lost():
+    """The doorbell is read after the work its ring announced, then the commands are looked at again: no
+    command waits for a later ring (idle_poll_s 1 s: a lost ring would stall it for seconds), and an idle
+    thread is left with an empty pipe (it blocks, it does not spin on a readable doorbell)."""
+    t = Counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4}))
+    t.start()
+    ran: list[int] = []
+    try:
+        for burst in range(60):
+            for i in range(3):
+                t.submit(lambda i=i: ran.append(i))
+            time.sleep(0.0005 * (burst % 3))
+        deadline = time.monotonic() + 0.5
+        while len(ran) < 180 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(ran) == 180
+        time.sleep(0.05)
+        with pytest.raises(BlockingIOError):
+            os.read(t.doorbell.read_fd, 1)
+        rounds = t.rounds
+        time.sleep(0.1)
+        assert t.rounds - rounds <= 1
+    finally:
+        t.stop()

@@ -3,6 +3,7 @@ a request's last unit inside its own blocks), and posts no more descriptors than
 
 from __future__ import annotations
 
+import itertools
 import mmap
 
 import numpy as np
@@ -182,6 +183,52 @@ def test_small_plan_equals_the_array_path(sc, lo, width):
         ref.nbytes,
         ref.num_blocks,
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(), st.booleans(), st.booleans(), st.booleans())
+def test_halves_made_before_the_trigger_plan_the_same(sc, with_src, with_dst, stale):
+    """A side planned before the other side's table arrived (prepared.half_plan) gives exactly the plan
+    made in one go: the same indices, order and descriptor count; a half made for another table or token
+    count is not used."""
+    src = make(
+        sc["layers"], sc["p_bs"], sc["p_total"], sc["heads"], sc["p_rank"], sc["p_tp"], sc["order"], sc["pad"]
+    )
+    dst = make(sc["layers"], sc["d_bs"], sc["d_total"], sc["heads"], sc["d_rank"], sc["d_tp"], sc["order"])
+    heads = senders_for(sc["d_rank"], sc["d_tp"], sc["p_tp"], sc["heads"])[sc["p_rank"]]
+    pair = pair_units(src.layout, dst.layout, heads)
+    n = sc["n"]
+    s_tab, d_tab = tuple(sc["p_tab"]), list(sc["d_tab"])
+    made_n = n + 1 if stale and n + 1 <= len(s_tab) * sc["p_bs"] and n + 1 <= len(d_tab) * sc["d_bs"] else n
+    s_half = prepared.half_plan(pair, False, s_tab, made_n) if with_src else None
+    d_half = prepared.half_plan(pair, True, d_tab, made_n) if with_dst else None
+    got = build_index_plan(pair, s_tab, d_tab, n, halves=(s_half, d_half))
+    ref = build_index_plan(pair, s_tab, d_tab, n)
+    np.testing.assert_array_equal(got.src_idx, ref.src_idx)
+    np.testing.assert_array_equal(got.dst_idx, ref.dst_idx)
+    assert (got.num_descriptors, got.nbytes, got.num_blocks) == (
+        ref.num_descriptors,
+        ref.nbytes,
+        ref.num_blocks,
+    )
+    if made_n != n:
+        return
+    small = prepared._small_moved(pair, n) is not None
+    assert (s_half is not None) == (with_src and small) and (d_half is not None) == (with_dst and small)
+    if small:  # used, not recomputed, unless the source pieces had to be sorted (the halves' order)
+        src_half = prepared.half_plan(pair, False, s_tab, n)
+        assert src_half is not None
+        ascending = all(b > a for a, b in itertools.pairwise(src_half.pieces))
+        assert (d_half is not None and got.dst_idx is d_half.idx) == (d_half is not None and ascending)
+        assert (s_half is not None and got.src_idx is s_half.idx) == (s_half is not None and ascending)
+
+
+def test_half_for_a_table_that_does_not_check_is_none():
+    src = make(2, 16, 8, 1, 0, 1, "NHD", 0)
+    dst = make(2, 16, 8, 1, 0, 1, "NHD", 0)
+    pair = pair_units(src.layout, dst.layout)
+    assert prepared.half_plan(pair, True, [0, 99], 20) is None  # block 99 is outside the 8-block cache
+    assert prepared.half_plan(pair, True, [0, 1], 20) is not None
 
 
 _TABLE = st.one_of(

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.protocol.ranges import Range, StreamPolicy, pending_ranges
+from kvpush.protocol.ranges import Range, StreamPolicy, pending_ranges, per_layer_ranges
 from kvpush.protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderState, StartWrite
 from kvpush.protocol.wire import Abort, Registration
 
@@ -192,6 +192,23 @@ def test_pending_ranges_coalesce_layers_and_respect_alignment():
     assert pending_ranges([20, 20], [16, 16], 64, 16) == []  # not a whole aligned step yet
     assert StreamPolicy(min_tokens=100).early(Range(0, 16, 0, 1), 99) is False
     assert StreamPolicy(min_bytes=64, token_layer_bytes=2).early(Range(0, 16, 0, 2), 16) is True
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.lists(st.integers(0, 80), min_size=1, max_size=6),
+    st.lists(st.integers(0, 80), min_size=1, max_size=6),
+    st.integers(1, 80),
+    st.sampled_from([1, 8, 16, 32]),
+    st.booleans(),
+)
+def test_pending_ranges_uniform_fast_path_equals_per_layer(layers, ready, sent, target, align, uniform):
+    """One frontier for every layer (a one-piece request) is answered without the per-layer walk: the same
+    ranges as the walk, for uniform and mixed frontiers alike."""
+    ready = [ready[0]] * layers if uniform else (ready * layers)[:layers]
+    sent = [min(sent[0], target)] * layers if uniform else [min(x, target) for x in (sent * layers)[:layers]]
+    assert pending_ranges(ready, sent, target, align) == per_layer_ranges(ready, sent, target, align)
 
 
 def _streamed(policy: StreamPolicy | None = None) -> World:

@@ -3,9 +3,11 @@
 One module-scoped P/D pair (through the kvpush proxy) and one reference single engine per cache kind,
 each with its tiny model built offline (tiny_model.py). Lean on purpose: CI runs this on 2 cores.
 
-MLA (DeepSeek-V2-style, vLLM's CPU_MLA backend, block 16): vLLM's CPU MLA engine is no token oracle (its
-prefill and decode paths disagree; the test says how), so every request's latents are compared by
-checksum between the two engines, sent alone and 16 at once; all pushed, none failed, nothing held.
+MLA (DeepSeek-V2-style, vLLM's CPU_MLA backend, block 16): every engine (pair and reference) runs with
+vLLM's CPU rotary-embedding op off (MLA_ENGINE_ARGS: that op ropes MLA's strided query and key views
+wrongly, so a CPU MLA engine otherwise disagrees with itself); then each prompt alone and 16 at once is
+token for token the single engine's answer, and every request's latents are compared by checksum between
+the two engines; all pushed, none failed, nothing held.
 
 Window kinds (Gemma-3-style hybrid, Mistral-style all-window, gpt-oss-style): 16 prompts at once, token
 for token equal to the single engine, lengths around the window and at N % block == block - 1.
@@ -32,12 +34,11 @@ from kvpush.platforms.vllm.tools.tiny_model import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
-# what vLLM 0.29 itself cannot do with these tiny models (docs/vllm.md, "KV-cache kinds")
-VLLM_029_CANNOT = {
-    "gptoss": "vLLM 0.29 cannot run the float32 gpt-oss-style model (a bf16-only kernel)",
-    "window": "vLLM 0.29's decode allocates all-window tables without a block the window needs "
-    "(kvpush refuses those requests by name)",
-}
+# the model each window kind runs on vLLM 0.29, where it differs: 0.29's CPU attention kernel takes
+# attention sinks in bf16 only (the float32 gpt-oss-style model fails in cpu_attention_with_kv_cache with
+# "expected scalar type BFloat16 but found Float"), so the same weights in bf16; the reference engine and
+# the P/D pair run the same one (docs/vllm.md, "KV-cache kinds")
+VLLM_029_VARIANT = {"gptoss": "gptoss-bf16"}
 MAX_TOKENS = 12
 MAX_MODEL_LEN = 4096
 CONCURRENCY = 16
@@ -98,12 +99,17 @@ def checksums(log_path: Path, side: str) -> dict[str, list[float]]:
 class Kind:
     """A started P/D pair and reference engine for one tiny model; stopped by the fixture."""
 
-    def __init__(self, variant: str, logs: Path, reference: bool = True) -> None:
+    def __init__(
+        self, variant: str, logs: Path, debug: bool = False, engine_args: list[str] | None = None
+    ) -> None:
+        """debug: the pair logs kvpush's DEBUG lines (each request's KV checksums on both sides);
+        engine_args: given to all three engines."""
         self.model = str(build(variant))
         self.logs = logs
         self.stats_dir = logs / "stats"
         extra = {"stats_dir": str(self.stats_dir), "lease_s": 30.0, "ready_timeout_s": 40.0}
-        env = {} if reference else {"VLLM_LOGGING_CONFIG_PATH": str(_debug_logging(logs))}
+        env = {"VLLM_LOGGING_CONFIG_PATH": str(_debug_logging(logs))} if debug else {}
+        args = list(engine_args or ())
         self.pd: Deployment = start_pd(
             "kvpush",
             self.model,
@@ -113,20 +119,20 @@ class Kind:
             decode_extra=extra,
             prefill_env=env,
             decode_env=env,
+            prefill_args=args,
+            decode_args=args,
         )
-        self.single: Deployment | None = None
-        if not reference:
-            return
         try:
             # after the pair is up, so the start-ups do not fight for the 2 cores
-            self.single = start_single(self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN)
+            self.single = start_single(
+                self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN, engine_args=args
+            )
         except BaseException:
             self.pd.stop()
             raise
 
     def stop(self) -> None:
-        if self.single is not None:
-            self.single.stop()
+        self.single.stop()
         self.pd.stop()
 
     def counters(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -155,10 +161,17 @@ class Kind:
         )
 
 
+# vLLM's CPU rotary-embedding op (`_C.rotary_embedding`) reads MLA's strided views (the rope half of each
+# query head, k_pe sliced out of the latent projection) as if contiguous: its results depend on the other
+# tokens in the step, so a CPU MLA engine's tokens change with the prompt's length, the batch and prefill
+# vs decode. Off, vLLM ropes in PyTorch (docs/vllm.md, "KV-cache kinds").
+MLA_ENGINE_ARGS = ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+
+
 @pytest.fixture
 def mla(tmp_path_factory: pytest.TempPathFactory):
     # function scope: one test each, so no two kinds' engines are ever up at once
-    kind = Kind("mla", tmp_path_factory.mktemp("vllm-mla"), reference=False)
+    kind = Kind("mla", tmp_path_factory.mktemp("vllm-mla"), debug=True, engine_args=MLA_ENGINE_ARGS)
     yield kind
     kind.stop()
 
@@ -167,32 +180,44 @@ def mla(tmp_path_factory: pytest.TempPathFactory):
 def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     import vllm
 
-    if request.param in VLLM_029_CANNOT and vllm.__version__.startswith("0.29."):
-        pytest.skip(VLLM_029_CANNOT[request.param])
-    kind = Kind(request.param, tmp_path_factory.mktemp(f"vllm-{request.param}"))
+    variant = request.param
+    if vllm.__version__.startswith("0.29."):
+        variant = VLLM_029_VARIANT.get(variant, variant)
+    kind = Kind(variant, tmp_path_factory.mktemp(f"vllm-{request.param}"))
     yield kind
     kind.stop()
 
 
-def test_mla_latents_arrive_byte_exact_alone_and_16_way_and_nothing_leaks(mla: Kind) -> None:
-    """Every request's latents on the decode, when they landed, sum (first and last layer, over the
-    request's tokens) to what the prefill's were at hand-over: sent one at a time (3 to 900 tokens,
-    inside a block, at its edges, across many) and 16 at once; every request pushed, none failed or
-    recomputed, no block held afterwards.
+def mla_lengths(block: int) -> list[int]:
+    """16 prompt lengths in tokens: inside one block, one short of, at and one past block boundaries
+    (1, 2 and 6 blocks), and across many blocks."""
+    edges = [n for k in (1, 2, 6) for n in (k * block - 1, k * block, k * block + 1)]
+    return sorted({3, 7, *edges, 47, 150, 450, 900, 1000})[:CONCURRENCY]
 
-    Why not greedy tokens against a single engine: vLLM's CPU MLA engine disagrees with itself. A
-    P/D decode computes the prompt's last position with the decode kernel, a single engine with its
-    prefill path (SDPA), and the first tokens differ; pinning that token and comparing the rest still
-    parts at some lengths (prompt + 1 = 16 or 32 tokens), the same inputs giving the same wrong answer
-    each time, while 47 or 95 match: the kernel's answer depends on more than the request's KV. The
-    checksums compare the bytes kvpush moves, which is what it owes."""
-    # 3 to 900 tokens: inside one 16-token block, at its edges, across many blocks
-    prompts = client.make_prompts(7, [2, 8, 9, 10, 50, 150, 450], seed=19)
+
+def test_mla_equals_the_single_engine_alone_and_16_way_latents_byte_exact_nothing_leaks(mla: Kind) -> None:
+    """16 prompts (3 to 1,000 tokens: inside a block, one short of, at and one past block boundaries,
+    across many) each sent alone, then all 16 at once, through the proxy: token for token the single
+    engine's answer to it alone; every request's latents on the decode, when they landed, sum (first and
+    last layer, over the request's tokens) to what the prefill's were at hand-over; every request pushed,
+    none failed or recomputed, no block held afterwards.
+
+    A P/D decode computes the prompt's last position with vLLM's MLA decode kernel (one query over the
+    pushed latents), the single engine with its prefill path; with the rotary op off (MLA_ENGINE_ARGS)
+    the two agree. With it on, no CPU MLA engine agrees with itself (a prompt alone, in a batch, or
+    extended by its own first token gives other tokens), and kvpush P/D was checked against vLLM's own
+    NixlConnector P/D instead (equal for every prompt alone; docs/vllm.md)."""
+    block = int(mla.counters()[1]["vllm_block_size"])
+    assert block == 16
+    lengths = mla_lengths(block)
+    prompts, want = prompts_and_answers(mla.single.url, mla.model, lengths, words=6000, seed=19)
+
     before = mla.counters()
     decode = mla.pd.engines[1]
     metrics_before = client.metrics(decode.url)
-    outs = [client.complete(mla.pd.url, mla.model, p, MAX_TOKENS) for p in prompts]
-    assert [len(o) for o in outs] == [MAX_TOKENS] * len(prompts)
+    for n, p, w in zip(lengths, prompts, want, strict=True):
+        got = _complete_ids(mla.pd.url, mla.model, p, MAX_TOKENS)
+        assert got == w, f"{n} tokens alone: P/D {got} != single {w}"
     mla.assert_all_pushed_and_released(before, len(prompts))
     after = client.metrics(decode.url)
     name = "vllm:prompt_tokens_by_source_total"
@@ -202,17 +227,33 @@ def test_mla_latents_arrive_byte_exact_alone_and_16_way_and_nothing_leaks(mla: K
     assert local <= len(prompts), "the decode computed prompts itself instead of receiving their KV"
 
     before = mla.counters()
-    many = client.make_prompts(CONCURRENCY, [5, 40, 120, 300], seed=20)
-    outs = client.complete_many(mla.pd.url, mla.model, many, MAX_TOKENS, concurrency=CONCURRENCY)
-    assert [len(o) for o in outs] == [MAX_TOKENS] * CONCURRENCY
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        got = list(pool.map(lambda p: _complete_ids(mla.pd.url, mla.model, p, MAX_TOKENS), prompts))
+    for n, g, w in zip(lengths, got, want, strict=True):
+        assert g == w, f"{n} tokens, 16 at once: P/D {g} != single {w}"
     mla.assert_all_pushed_and_released(before, CONCURRENCY)
 
-    sent = _wait(lambda: len(s := checksums(mla.logs / "kvpush-prefill.log", "P")) >= 23 and s)
-    got = _wait(lambda: len(s := checksums(mla.logs / "kvpush-decode.log", "D")) >= 23 and s)
-    assert len(sent) == len(got) == len(prompts) + CONCURRENCY, (len(sent), len(got))
-    differ = {k: (sent.get(k), v) for k, v in got.items() if sent.get(k) != v}
+    total = len(prompts) + CONCURRENCY
+    sent = _wait(lambda: len(s := checksums(mla.logs / "kvpush-prefill.log", "P")) >= total and s)
+    got_sums = _wait(lambda: len(s := checksums(mla.logs / "kvpush-decode.log", "D")) >= total and s)
+    assert len(sent) == len(got_sums) == total, (len(sent), len(got_sums))
+    differ = {k: (sent.get(k), v) for k, v in got_sums.items() if sent.get(k) != v}
     assert not differ, f"latents differ between prefill and decode: {differ}"
-    assert all(any(x != 0.0 for x in v) for v in got.values())
+    assert all(any(x != 0.0 for x in v) for v in got_sums.values())
+
+
+def prompts_and_answers(
+    single_url: str, model: str, lengths: list[int], words: int, seed: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Token-id prompts of the given lengths (each from its own offset of one text) and the single
+    engine's greedy answer to each, sent alone."""
+    text = " ".join(client.make_prompts(1, [words], seed=seed))
+    tokens = client.post_json(single_url + "/tokenize", {"model": model, "prompt": text}, 60)["tokens"]
+    assert len(tokens) > max(lengths) + 37 * len(lengths)
+    prompts = [tokens[i * 37 : i * 37 + n] for i, n in enumerate(lengths)]
+    want = [_complete_ids(single_url, model, p, MAX_TOKENS) for p in prompts]
+    assert [len(w) for w in want] == [MAX_TOKENS] * len(prompts)
+    return prompts, want
 
 
 def _complete_ids(url: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:

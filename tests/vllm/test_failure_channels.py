@@ -98,8 +98,9 @@ def test_from_vllm_0_32_failures_go_in_failed_recving_and_no_block_is_invalidate
 
 
 def test_a_table_the_endpoint_refuses_fails_that_request_and_not_the_engine():
-    """vLLM 0.29 allocated a window-group table without a block the window needs: expect() raises
-    LayoutError on the engine thread. That request fails (its real blocks invalid), the others go on."""
+    """A window-group table without a block the window needs (what kvpush saw on vLLM 0.29 while it
+    counted an all-window group's 32-token blocks as 128): expect() raises LayoutError on the engine
+    thread. That request fails (its real blocks invalid), the others go on."""
     conn, endpoint = connector()
     assert conn._worker is not None
     table = ((1, 2, 3), (-1, -1, 4))

@@ -105,3 +105,59 @@ def test_window_backoff_prefill_cuts_the_last_prompt_token_and_the_decode_expect
     decode.update_state_after_alloc(dreq, blocks, 78)
     (item,) = decode.meta.expect
     assert (item.num_tokens, item.block_ids) == (78, ((11, 12, 13, 14, 15), (16, 17, 18, 19, 20)))
+
+
+def _spec(name: str, block_size: int, window: int = 0) -> Any:
+    """A KV-cache spec as cache_groups reads it: by class name and attributes."""
+    cls = type(name, (), {})
+    spec = cls()
+    spec.block_size, spec.sliding_window, spec.num_kv_heads, spec.head_size = block_size, window, 2, 64
+    return spec
+
+
+def _vllm_config(block_size: int) -> Any:
+    ktc = SimpleNamespace(
+        is_kv_producer=False,
+        is_kv_consumer=True,
+        engine_id="decode-0",
+        kv_connector_extra_config={"host": "10.0.0.5", "port": 7100},
+    )
+    return SimpleNamespace(
+        kv_transfer_config=ktc,
+        cache_config=SimpleNamespace(block_size=block_size),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+    )
+
+
+def test_the_tables_block_size_is_the_groups_spec_not_cache_config() -> None:
+    """vLLM 0.29 gives an all-window model's one group the kernel's 32-token blocks while cache_config
+    says 128: the connector counts blocks in the group's 32 (read as 128, the table's first entries,
+    freed before the window, stood for the window's tokens). Groups that agree give their size; no
+    groups (or specs without one) leave cache_config's; groups that differ are refused by name."""
+    from kvpush.errors import LayoutError
+    from kvpush.platforms.vllm.cache_groups import cache_groups, groups_block_size
+    from kvpush.platforms.vllm.connector import settings_from_vllm
+
+    window_only = cache_groups(
+        SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=_spec("SlidingWindowSpec", 32, 64))
+            ]
+        )
+    )
+    assert [(g.kind, g.window, g.block_size) for g in window_only] == [("window", 64, 32)]
+    assert settings_from_vllm(_vllm_config(128), window_only).block_size == 32
+    assert settings_from_vllm(_vllm_config(128)).block_size == 128  # no KV-cache config: cache_config's
+    hybrid = cache_groups(
+        SimpleNamespace(
+            kv_cache_groups=[
+                SimpleNamespace(layer_names=["l0"], kv_cache_spec=_spec("FullAttentionSpec", 128)),
+                SimpleNamespace(layer_names=["l1"], kv_cache_spec=_spec("SlidingWindowSpec", 128, 64)),
+            ]
+        )
+    )
+    assert groups_block_size(hybrid, 16) == 128
+    assert groups_block_size((group("full"),), 16) == 16  # a spec without a block size
+    mixed = (window_only[0], hybrid[0])
+    with pytest.raises(LayoutError, match=r"different block sizes \(32, 128 tokens"):
+        groups_block_size(mixed, 128)

@@ -26,7 +26,7 @@ from kvpush.platforms.vllm.layout_probe import (
     features_from_vllm,
     probe_layout,
 )
-from kvpush.platforms.vllm.probe import declared_layout
+from kvpush.platforms.vllm.probe import declared_layout, model_tag
 from kvpush.protocol.layout import KVLayout, LayoutError
 
 
@@ -234,6 +234,29 @@ def test_refused_caches_are_named() -> None:
         with pytest.raises(LayoutError, match=name):
             probe_layout(t, features=features, **kw)
     probe_layout(t, features=CacheFeatures(kv_cache_dtype="fp8_e4m3"), **kw)  # plain FP8 bytes move as-is
+
+
+def test_fp8_kv_moves_one_byte_per_element_and_its_dtype_and_scales_must_match() -> None:
+    """vLLM keeps FP8 KV as uint8 (both formats): the probe sees 1-byte elements; the dtype name and the
+    per-layer scales go into the model tag (compat hash), since neither is visible in the geometry."""
+    t = torch.zeros(4, 2, 32, 2 * 64, dtype=torch.uint8)
+    lay = probe_layout(
+        {"l0": t}, block_size=32, total_kv_heads=2, tp_rank=0, tp_size=1, declared=CPU_VIEW
+    ).layout
+    assert (lay.dtype_size, lay.num_kv_heads, lay.head_dim, lay.block_bytes) == (1, 4, 64, 4 * 32 * 64)
+
+    def cfg(kv: str, k_scale: float = 1.0) -> Any:
+        layers = {n: SimpleNamespace(_k_scale_float=k_scale, _v_scale_float=1.0) for n in ("a", "b")}
+        return SimpleNamespace(
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(), dtype="float32"),
+            cache_config=SimpleNamespace(cache_dtype=kv),
+            compilation_config=SimpleNamespace(static_forward_context=layers),
+        )
+
+    tags = {kv: model_tag(cfg(kv), "", ["a", "b"]) for kv in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")}
+    assert "kv=" not in tags["auto"] and len(set(tags.values())) == 4
+    assert model_tag(cfg("fp8_e4m3"), "", ["a", "b"]) == tags["fp8_e4m3"]
+    assert model_tag(cfg("fp8_e4m3", 0.5), "", ["a", "b"]) != tags["fp8_e4m3"]
 
 
 def test_features_from_a_vllm_config_shaped_object() -> None:

@@ -7,6 +7,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from ..params import PAIRING_ROUTE
+
 
 @dataclass(frozen=True)
 class PrefillBackend:
@@ -18,6 +20,17 @@ class PrefillBackend:
     kv_port: int = 0
     tp_size: int = 1
     pp_size: int = 1
+
+
+def prefill_query(prefill: PrefillBackend) -> list[tuple[str, str | int]]:
+    """The prefill's KV address as the decode's pairing server reads it (pairing.py), for every route."""
+    return [
+        ("engine_id", prefill.engine_id),
+        ("host", prefill.kv_host),
+        ("port", prefill.kv_port),
+        ("tp_size", prefill.tp_size),
+        ("pp_size", prefill.pp_size),
+    ]
 
 
 @dataclass
@@ -48,16 +61,7 @@ class Pairing:
 
     def target(self) -> str:
         """The path and query of the check (what the signature covers)."""
-        query = urllib.parse.urlencode(
-            {
-                "engine_id": self.prefill.engine_id,
-                "host": self.prefill.kv_host,
-                "port": self.prefill.kv_port,
-                "tp_size": self.prefill.tp_size,
-                "pp_size": self.prefill.pp_size,
-            }
-        )
-        return f"/kvpush/pairing?{query}"
+        return f"{PAIRING_ROUTE}?{urllib.parse.urlencode(prefill_query(self.prefill))}"
 
     def take_answer(self, status: int, body: Any, named_id: str = "") -> None:
         """Set ok/error from the decode's answer. named_id: the decode's engine id as the proxy was told

@@ -17,6 +17,7 @@ from typing import Any
 from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
 from .proxy_http import TimingsLog, error_body
 from .proxy_pairing import Pairing, PrefillBackend
+from .proxy_release import release_target, transfer_keys
 
 log = logging.getLogger("kvpush.proxy")
 
@@ -50,7 +51,7 @@ class ProxyConfig:
     # timings_max_records records.
     timings_token: str = ""
     timings_max_records: int = 10_000
-    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0})
+    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0, "released": 0})
 
 
 class BackendError(Exception):
@@ -100,6 +101,7 @@ class Router:
             for p in cfg.prefill
         }
         self._pairing_task: asyncio.Task[None] | None = None
+        self._releases: set[asyncio.Future[None]] = set()  # release calls in flight (kept referenced)
         # decode URL -> engine id, as configured or as its pairing check reported it
         self._named = dict(zip(cfg.decode, cfg.decode_engine_ids or [""] * len(cfg.decode), strict=True))
         self.decode_ids = {d: i for d, i in self._named.items() if i}
@@ -128,20 +130,27 @@ class Router:
             self._pairing_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pairing_task
+        for task in list(self._releases):
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
     # ---- pairing checks ------------------------------------------------------------------------
+    def _signed(self, target: str) -> dict[str, str]:
+        """Headers for a GET of `target` on a decode's pairing server: signed when the decodes are keyed."""
+        key = self.cfg.pairing_key
+        return {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
+
     async def check_pairing(self, pair: Pairing) -> Pairing:
         """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
         import aiohttp
 
         target = pair.target()
-        key = self.cfg.pairing_key
-        headers = {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
         try:
             async with self._session.get(
-                f"{pair.pairing_url}{target}", headers=headers, timeout=aiohttp.ClientTimeout(total=15)
+                f"{pair.pairing_url}{target}",
+                headers=self._signed(target),
+                timeout=aiohttp.ClientTimeout(total=15),
             ) as r:
                 body = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -177,6 +186,33 @@ class Router:
             first = first or pair
         assert first is not None
         raise BackendError(503, first.refusal(), first.decode)
+
+    # ---- releasing a left client's transfers (proxy_release.py) --------------------------------
+    def _release_later(self, prefill: PrefillBackend, decode_url: str, keys: list[str]) -> None:
+        pair = self.pairings.get((prefill.url, decode_url))
+        if pair is None or not pair.pairing_url:
+            return  # no pairing server to ask (vLLM's own connectors, or not configured)
+        task = asyncio.ensure_future(self._release(pair.pairing_url, prefill, keys))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, pairing_url: str, prefill: PrefillBackend, keys: list[str]) -> None:
+        """Best effort: a decode that does not answer leaves the prefill's lease to free the blocks."""
+        import aiohttp
+
+        target = release_target(prefill, keys)
+        try:
+            async with self._session.get(
+                f"{pairing_url}{target}", headers=self._signed(target), timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
+                if r.status != 200:
+                    log.warning("release of %s at %s: %s %s", keys, pairing_url, r.status, await r.text())
+                    return
+            self.cfg.stats["released"] += len(keys)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning(
+                "release of %s at %s failed: %r (the prefill's lease frees them)", keys, pairing_url, exc
+            )
 
     # ---- backend calls -------------------------------------------------------------------------
     async def _post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -291,6 +327,8 @@ class Router:
         except asyncio.CancelledError:
             # The client went away: abort the prefill too (closing its connection makes vLLM abort it).
             prefill_task.cancel()
+            if "first_chunk" not in rec:  # the decode may never have had it: free the prefill's blocks
+                self._release_later(prefill, decode_url, transfer_keys(transfer_id, path, body))
             raise
         finally:
             if not prefill_task.done():

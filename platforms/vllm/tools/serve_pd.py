@@ -1,7 +1,8 @@
 """`kvpush serve-pd`: start prefill, decode and the proxy on 127.0.0.1, wait for /health, stop them again.
 
 Every process is started in its own session (process group); stopping sends SIGTERM to exactly those
-groups, then SIGKILL to what is left after a grace period. Nothing else on the machine is touched.
+groups, then SIGKILL to what is left after a grace period. Nothing else on the machine is touched
+(serve_procs.py). What each engine's command line holds is serve_engines.py's; here, the deployments.
 
 On a 2-core box each engine gets one core (VLLM_CPU_OMP_THREADS_BIND), a 1 GiB KV cache and eager mode.
 The same launcher serves the tests and `kvpush bench-vllm`.
@@ -11,216 +12,38 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kvpush.apps.cliutil import port, positive_int
-from kvpush.apps.ports import free_port_range
 
+from .serve_engines import CONNECTORS, EngineSpec, free_port, free_ports, parse_cores
+from .serve_procs import Started, wait_healthy
 from .vllm_router import ROUTERS, router_argv
 
-CONNECTORS = ("kvpush", "nixl-push", "nixl-pull")
-_VLLM_CLASS = {"nixl-push": "NixlPushConnector", "nixl-pull": "NixlConnector"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_port_range(1, host)
-
-
-def free_ports(n: int, host: str = "127.0.0.1", span: int = 1) -> list[int]:
-    """n ports p such that p..p+span-1 are all free now (side channels listen on port + tp_rank)."""
-    out: list[int] = []
-    taken: set[int] = set()
-    while len(out) < n:
-        p = free_port_range(span, host, exclude=taken)
-        out.append(p)
-        taken.update(range(p, p + span))
-    return out
-
-
-def parse_cores(spec: str) -> set[int]:
-    """'0', '0-3', '0,2,4-5' -> the set of CPU ids."""
-    out: set[int] = set()
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
-    if not out:
-        raise ValueError(f"no CPU ids in {spec!r}")
-    return out
-
-
-@dataclass
-class EngineSpec:
-    """One vLLM server. role: 'prefill' | 'decode' | 'single'."""
-
-    role: str
-    model: str
-    port: int
-    cores: str
-    connector: str | None = None  # kvpush | nixl-push | nixl-pull | None (single)
-    engine_id: str = ""
-    kv_port: int = 0
-    max_model_len: int = 16384
-    block_size: int | None = None
-    extra_config: dict[str, Any] = field(default_factory=dict)
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    log_path: Path | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def kv_transfer_config(self) -> dict[str, Any] | None:
-        if self.connector is None:
-            return None
-        role = {"prefill": "kv_producer", "decode": "kv_consumer"}[self.role]
-        cfg: dict[str, Any] = {"kv_role": role, "kv_buffer_device": "cpu", "engine_id": self.engine_id}
-        if self.connector == "kvpush":
-            cfg.update(kv_connector="KVPushConnector", kv_connector_module_path="kvpush.platforms.vllm")
-            extra = {"host": "127.0.0.1", "port": self.kv_port}
-            extra.update(self.extra_config)
-            cfg["kv_connector_extra_config"] = extra
-        elif self.connector in _VLLM_CLASS:
-            cfg["kv_connector"] = _VLLM_CLASS[self.connector]
-            if self.extra_config:
-                cfg["kv_connector_extra_config"] = dict(self.extra_config)
-        else:
-            raise ValueError(f"unknown connector {self.connector!r}; choose one of {', '.join(CONNECTORS)}")
-        return cfg
-
-    def command(self) -> tuple[list[str], dict[str, str]]:
-        argv = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--enforce-eager",
-            "--max-model-len",
-            str(self.max_model_len),
-            "--no-enable-prefix-caching",
-            "--max-num-seqs",
-            "64",
-        ]
-        spec_file = Path(self.model) / "kvpush_spec.json"
-        if spec_file.exists():  # our tiny models: serve them in the dtype they were built in
-            argv += ["--dtype", json.loads(spec_file.read_text()).get("dtype", "auto")]
-        if self.block_size:
-            argv += ["--block-size", str(self.block_size)]
-        kvc = self.kv_transfer_config()
-        if kvc is not None:
-            argv += ["--kv-transfer-config", json.dumps(kvc)]
-        argv += self.extra_args
-        env = dict(os.environ)
-        env.update(
-            {
-                "VLLM_CPU_OMP_THREADS_BIND": self.cores,
-                "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                "UCX_NET_DEVICES": env.get("UCX_NET_DEVICES", "lo"),
-                "NIXL_LOG_LEVEL": env.get("NIXL_LOG_LEVEL", "WARN"),
-                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.kv_port or free_port()),
-                "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
-                "VLLM_ENABLE_V1_MULTIPROCESSING": env.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
-                "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env.update(self.env)
-        return argv, env
-
-
-class Started:
-    """A process we started, in its own process group."""
-
-    def __init__(
-        self, name: str, argv: list[str], env: dict[str, str], log_path: Path, cpus: set[int] | None = None
-    ):
-        self.name = name
-        self.log_path = log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        # cpus: set in the child before exec, so every process the engine starts inherits the mask
-        confine = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-        self.proc = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=confine,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 40) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(grace_s)
-        # Engine children (EngineCore, workers) live in the same group; make sure none outlive us.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        self._log.close()
-
-
-def wait_healthy(url: str, procs: list[Started], timeout_s: float = 300.0, any_answer: bool = False) -> None:
-    """Until url/health answers 200 (any_answer: answers at all, e.g. a proxy reporting a refused
-    pairing with 503), or one of procs exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if not p.alive():
-                raise RuntimeError(
-                    f"{p.name} exited with code {p.proc.returncode} before {url}/health "
-                    f"answered; last log lines ({p.log_path}):\n{p.tail()}"
-                )
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=20) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError:
-            if any_answer:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f}s")
+# the names other tools and the tests import from here, wherever they live now
+__all__ = [
+    "CONNECTORS",
+    "Deployment",
+    "EngineSpec",
+    "Started",
+    "add_decode",
+    "add_router",
+    "free_port",
+    "free_ports",
+    "parse_cores",
+    "serving",
+    "start_pd",
+    "start_single",
+    "wait_healthy",
+]
 
 
 @dataclass
@@ -258,6 +81,7 @@ def start_pd(
     decode_env: dict[str, str] | None = None,
     prefill_env: dict[str, str] | None = None,
     prefill_args: list[str] | None = None,
+    decode_args: list[str] | None = None,
     health_timeout_s: float = 300.0,
     start_proxy: bool = True,
     confine_engines: bool = False,
@@ -318,6 +142,7 @@ def start_pd(
         max_model_len,
         decode_block_size or block_size,
         decode_extra,
+        list(decode_args or ()),
         env=dict(decode_env or {}),
     )
     procs: list[Started] = []
