@@ -135,7 +135,8 @@ class Soak:
         self.kids.send(self.kids.decode, ("expect", r.rid, blocks, r.n, r.tag))
         return True
 
-    def inject(self, kind: str) -> None:
+    def inject(self, kind: str) -> bool:
+        """Inject one fault; False if it found nothing to act on (no live target, no free blocks)."""
         prefill, decode = self.kids.prefill, self.kids.decode
         assert prefill is not None and decode is not None
         live = self.book.live()
@@ -144,21 +145,21 @@ class Soak:
             self.kids.restart(role, lambda gen: self.book.reclaim(role, gen))
         elif kind in ("stop_prefill", "stop_decode"):
             if not self._stop(prefill if kind == "stop_prefill" else decode):
-                return
+                return False
         elif kind == "abort_decode":
             cands = [r for r in live if r.d_held]
             if not cands:
-                return
+                return False
             self.kids.send(decode, ("abort", self.rng.choice(cands).rid))
         elif kind == "abort_prefill":
             cands = [r for r in live if r.p_gen >= 0]
             if not cands:
-                return
+                return False
             self.kids.send(prefill, ("abort", self.rng.choice(cands).rid))
         elif kind == "resend":
             cands = [r for r in live if r.last_blocks in r.d_held]
             if not cands or not self._expect(self.rng.choice(cands)):
-                return
+                return False
         elif kind == "reset_side_channel":
             self.relay.reset()
             if not self.heal_at and self.rng.random() < 0.5:  # and nothing gets through for a while
@@ -166,14 +167,15 @@ class Soak:
                 self.heal_at = time.monotonic() + self.rng.uniform(0.2, 2.0)
         elif kind == "long_prompt":
             if not self._long_prompt():
-                return
+                return False
         elif kind in ("cross_peer", "huge_tp"):
             if not self._holder_attack(kind):
-                return
+                return False
         else:
             self.attack(kind)
-            return
+            return True
         self.faults[kind] += 1
+        return True
 
     def _long_prompt(self) -> bool:
         """An extra request of many blocks (a quarter of the decode's pool)."""
@@ -251,6 +253,7 @@ class Soak:
         self.kids.start()
         n = self.args.requests
         schedule = self._schedule(n)
+        owed: list[str] = []  # scheduled kinds that have never fired: they found no target at their turn
         i = 0
         while i < n:
             self.pump(0.002)
@@ -258,11 +261,22 @@ class Soak:
                 continue
             if not self.start_request(i):
                 continue
-            for kind in schedule.get(i, []):
-                self.inject(kind)
+            owed = self._inject_due(schedule.get(i, []), owed)
             i += 1
         self._drain()
         return self._report(time.monotonic() - t0)
+
+    def _inject_due(self, due: list[str], owed: list[str]) -> list[str]:
+        """Inject this request's faults, and retry the owed ones; returns what is still owed.
+
+        Every kind must fire once per run, but some need a state the run may not be in at their one turn
+        (cross_peer needs two live requests and free decode blocks). A kind that never fired is tried again
+        at each later request until it fires; extra injections of a kind that already fired are not."""
+        still: list[str] = []
+        for kind in owed + [k for k in due if k not in owed]:
+            if not self.inject(kind) and self.faults[kind] == 0 and kind not in still:
+                still.append(kind)
+        return still
 
     def _schedule(self, n: int) -> dict[int, list[str]]:
         """Every kind at least once (spread over the run), then more at random: faults at random points."""
