@@ -49,7 +49,9 @@ def test_layer_groups_outputs_equal_single_engine_under_concurrency(pd, single, 
     assert p["sent_failed"] == 0 and d["recv_failed"] == 0 and p["sent_ok"] >= len(prompts)
     # vLLM called save_kv_layer on its CPU path: two groups per prompt per prefill step at least
     assert p["layer_ranges"] >= 2 * len(prompts), (p["layer_ranges"], p["layer_calls"])
-    assert p["endpoint"]["writes"] > 2 * p["sent_ok"], p["endpoint"]
+    # (ranges ready before the decode's registration arrives go out as one WRITE, so the count depends on
+    # registration timing: 23-53 WRITEs were seen for the same 12 prompts; one per request never streams)
+    assert p["endpoint"]["writes"] > p["sent_ok"], p["endpoint"]
     assert _wait(
         lambda: _stats(pd, "decode")["outstanding"] == 0 and _stats(pd, "prefill")["outstanding"] == 0
     )

@@ -92,7 +92,9 @@ def test_streamed_outputs_equal_single_engine_under_concurrency(pd, single, mode
     assert p["send_bytes"] == d["recv_bytes"]
     assert p["sent_failed"] == 0 and d["recv_failed"] == 0 and p["sent_ok"] >= len(prompts)
     # the prompts moved in ranges: many more WRITEs than requests (one each without streaming)
-    assert p["endpoint"]["writes"] > 2 * p["sent_ok"], p["endpoint"]
+    # (ranges ready before the decode's registration arrives go out as one WRITE, so the count depends on
+    # registration timing: 23-53 WRITEs were seen for the same 12 prompts; one per request never streams)
+    assert p["endpoint"]["writes"] > p["sent_ok"], p["endpoint"]
 
 
 def test_a_request_aborted_mid_stream_leaks_nothing(pd, model: str) -> None:
