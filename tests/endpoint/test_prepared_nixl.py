@@ -23,6 +23,19 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+def _until(pred, timeout: float = 10.0) -> bool:
+    """Poll another thread's state (a read may race with its writer: try again)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return True
+        except RuntimeError:  # a dict changed size while read
+            pass
+        time.sleep(0.002)
+    return False
+
+
 def _wait(eps, n, timeout=30.0):
     got = {}
     deadline = time.monotonic() + timeout
@@ -60,13 +73,15 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
     dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=20.0, ready_timeout_s=30.0))
     pe = [PrefillEndpoint(pcfg, c.layout) for c in p_caches]
     de = [DecodeEndpoint(dcfg, c.layout) for c in d_caches]
-    early: list[tuple[bool, bool]] = []  # per plan: (source half used, destination half used)
+    # per request (told apart by its token count): per plan with an early side, (source half used,
+    # destination half used)
+    early: dict[int, list[tuple[bool, bool]]] = {}
     real_plan = push_actions.build_index_plan
 
     def spy(pair, src, dst, n, layers=None, halves=(None, None)):
         plan = real_plan(pair, src, dst, n, layers, halves)
         s_half, d_half = halves
-        early.append(
+        early.setdefault(n, []).append(
             (
                 s_half is not None and s_half.idx is plan.src_idx,
                 d_half is not None and d_half.idx is plan.dst_idx,
@@ -91,16 +106,22 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
             db = db[: -(-n // d_bs)]
             for c in p_caches:
                 fill(c.to_host(), c.layout, pb, n, 7 + len(rid))
+            # the first side is in each prefill's push thread before the second is called (a fixed sleep was
+            # not enough on a loaded box: both then came in one step and nothing was planned early)
             if reg_first:
                 for ep in de:
                     ep.expect(rid, db, n, addr)
-                time.sleep(0.05)
+                assert _until(
+                    lambda rid=rid: all(
+                        len(ep._push.state.rank_states(rid)) == max(1, d_tp // p_tp) for ep in pe
+                    )
+                ), rid
                 for ep in pe:
                     ep.prefill_done(rid, pb, n)
             else:
                 for ep in pe:
                     ep.prefill_done(rid, pb, n)
-                time.sleep(0.05)
+                assert _until(lambda rid=rid: all(rid in ep._push.prefill_done_at for ep in pe)), rid
                 for ep in de:
                     ep.expect(rid, db, n, addr)
             got = _wait(de, 1)
@@ -117,12 +138,14 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
         if not block_major:  # short requests: the side known first was planned before the trigger
             # r1's prefill_done came first (its source side), r2 registered first (its decode side); r0's
             # descending source is sorted at the trigger, so a side planned in table order is not used
-            k = len(early) // 3  # WRITEs per request: one per (prefill rank, decode rank) pair
-            per_request = [early[i * k : (i + 1) * k] for i in range(3)]
-            assert all(u == (False, False) for u in per_request[0]), early
-            assert all(u[0] for u in per_request[1]) and all(u == (False, True) for u in per_request[2]), (
-                early
-            )
+            pairs = max(p_tp, d_tp)  # WRITEs per request: one per (prefill rank, decode rank) pair
+            r0, r1, r2 = (early.get(n, []) for _rid, n, *_ in reqs)
+            if d_tp > p_tp:  # a head slice of NHD blocks is a piece per token: the array path, at the trigger
+                assert early == {}, early
+            else:
+                assert len(r0) == len(r1) == len(r2) == pairs, early
+                assert all(u == (False, False) for u in r0), early
+                assert all(u[0] for u in r1) and all(u == (False, True) for u in r2), early
         for ep in pe:
             assert not ep._push.src_half and not ep._push.dst_half  # dropped with the requests
         for ep in pe:  # the prepared path was taken (not the build_plan fallback)
