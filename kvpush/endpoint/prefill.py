@@ -142,6 +142,13 @@ class PushThread(PushActions, EndpointThread[SendResult]):
     def tracked(self) -> int:
         return len(self.state) + len(self.held)
 
+    def idle_wait_ms(self) -> int:
+        """A transport owed progress (progress_owed) is drained at the tick cadence even with nothing
+        tracked: the longer idle block would leave a notice queued that long per round."""
+        if self.transport.progress_owed(time.monotonic()):
+            return max(1, int(self.config.pacing.idle_poll_s * 1000))
+        return super().idle_wait_ms()
+
     def describe(self, request_id: str) -> str:
         try:
             ranks = self.state.rank_states(request_id)
@@ -167,8 +174,10 @@ class PushThread(PushActions, EndpointThread[SendResult]):
         if self.scheduler.queues:
             self._apply(())  # the budget may have room again
         if self.tick_due(now):
-            if len(self.state):
-                # prefill expects no notifications; draining keeps UCX progressing while requests are live
+            if len(self.state) or self.transport.progress_owed(now):
+                # prefill expects no notifications; draining keeps UCX progressing while requests are
+                # live, and after a standalone notification that may not have left yet (NIXL 1.3.x: a
+                # failure or done notice sent once nothing else is live; docs/backends.md)
                 for peer, _msg in self.transport.drain_notifs():
                     log.debug("kvpush prefill: ignored notification from %s", peer)
             for event in self.conns.liveness(now):
@@ -320,7 +329,7 @@ class PushThread(PushActions, EndpointThread[SendResult]):
     def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
         if c.kv_written is not None:
             self.kv_written.setdefault(request_id, []).append(c.kv_written)
-        if self.hooks is not None or not self.transport.strided_lists:  # NIXL 1.3: docs/contract.md
+        if self.hooks is not None:
             return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
         now = time.monotonic()
         self._apply(

@@ -163,7 +163,16 @@ def _param_text(value: object) -> str:
     return str(value)
 
 
+# After a standalone notification the owner thread keeps progressing the agent this long, even with
+# nothing in flight: NIXL 1.3.2 held such a notice until both sides had progressed some 27 ms (one
+# progress call was not enough) and UCX cancelled it at close otherwise ("UCX AM send failed ... Request
+# canceled"); 1.5.1 sent the same notice in 0.4 ms. Bounded, as no handle says when it has left.
+NOTIF_PROGRESS_S = 10.0
+
+
 class NixlTransport:
+    _progress_until = 0.0  # monotonic time until which progress_owed() is True (send_notif sets it)
+
     def __init__(
         self,
         name: str,
@@ -340,8 +349,15 @@ class NixlTransport:
             raise translated(exc, "NIXL could not release a transfer handle") from exc
 
     def send_notif(self, peer: str, msg: bytes) -> None:
+        """Hand a notification to NIXL, which gives it to UCX untracked: nothing says when it has left.
+        On 1.3.x the first message on a connection waits for both sides to progress (a handshake), so
+        the owner thread is owed NOTIF_PROGRESS_S of progress after it (progress_owed)."""
         with nixl_errors(f"NIXL notification to {peer!r} failed"):
             self._agent.send_notif(peer, msg)
+        self._progress_until = time.monotonic() + NOTIF_PROGRESS_S
+
+    def progress_owed(self, now: float) -> bool:
+        return now < self._progress_until
 
     def drain_notifs(self) -> list[tuple[str, bytes]]:
         with nixl_errors("NIXL could not read notifications"):

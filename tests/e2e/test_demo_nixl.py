@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from kvpush.apps.demo.timeline import STAGES
-from tests.endpoint.util import NEEDS_STREAMING_NIXL
 
 pytestmark = pytest.mark.e2e
 
@@ -106,7 +105,6 @@ def test_readme_example_runs():
     assert "equal on both sides: True" in proc.stdout
 
 
-@NEEDS_STREAMING_NIXL
 def test_demo_stream_layer_by_layer(tmp_path):
     """`kvpush demo --stream`: a layer-by-layer prefill per size, every byte verified, no block kept; both
     modes side by side where the endpoint can stream (kv_ready), the one-piece side otherwise."""

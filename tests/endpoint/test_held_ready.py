@@ -12,9 +12,8 @@ from kvpush.apps.demo.pattern import count_wrong_bytes, fill
 from kvpush.errors import EndpointClosed
 from kvpush.protocol.reasons import Failure
 from tests.endpoint.test_streaming_nixl import _blocks, _close, _pair, _until, _wait
-from tests.endpoint.util import NEEDS_STREAMING_NIXL
 
-pytestmark = [pytest.mark.e2e, NEEDS_STREAMING_NIXL]
+pytestmark = pytest.mark.e2e
 
 THRESHOLD = {"min_tokens": 256, "min_bytes": 0}
 

@@ -16,9 +16,8 @@ from kvpush.apps.demo.procs import Geometry, make_cache
 from kvpush.apps.ports import free_port_range
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
-from tests.endpoint.util import NEEDS_STREAMING_NIXL
 
-pytestmark = [pytest.mark.e2e, NEEDS_STREAMING_NIXL]
+pytestmark = pytest.mark.e2e
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
