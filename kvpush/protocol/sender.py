@@ -34,19 +34,19 @@ from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
-from .sender_stream import RangePosting
+from .sender_end import RequestEnding
 from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
 from .sender_table import DecodeRankState as DecodeRankState
-from .sender_table import Entry, Rank, Trouble, refusal
+from .sender_table import Entry, Trouble, refusal
 from .sender_table import RankEvent as RankEvent
 from .sender_table import SendPhase as SendPhase
 from .sender_table import sender_transition as sender_transition
 from .table import IGNORE as IGNORE
-from .tp import HeadRange, owes_nothing, receivers_for, senders_for
-from .wire import Abort, Registration
+from .tp import owes_nothing, receivers_for, senders_for
+from .wire import Registration
 
 
-class SenderState(RangePosting):
+class SenderState(RequestEnding):
     """One prefill rank's view of every request it may push."""
 
     def __init__(
@@ -290,90 +290,6 @@ class SenderState(RangePosting):
             actions += self._end(entry, ending, kind)
         return actions + self._advance(entry, now)
 
-    def abort(
-        self, request_id: str, reason: str, now: float, kind: Failure = Failure.ABORTED
-    ) -> list[SenderAction]:
-        entry = self._entries.get(request_id)
-        if entry is None:
-            self._tombstones.prefill_aborted(request_id, now)
-            return []
-        return self._end(entry, reason, kind) + self._advance(entry, now)
-
-    def drop_streamed(self, reason: str) -> list[SenderAction]:
-        """Closing: a request that streamed ranges but never heard prefill_done gives its kv_ready blocks
-        back now (the transport is closed, so no WRITE reads them, and the engine can no longer call
-        prefill_done, the terminal call it would otherwise wait for)."""
-        out: list[SenderAction] = []
-        for entry in list(self._entries.values()):
-            if entry.src_blocks is None and entry.ready_blocks is not None:
-                blocks, n = entry.ready_blocks, entry.nbytes
-                out.append(ReleaseSource(entry.request_id, blocks, False, n, reason, Failure.CLOSED))
-                self._finish(entry, None)
-        return out
-
-    def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
-        """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
-        reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
-        entry = self._entries.get(msg.request_id)
-        tomb = self._tombstones.get(msg.request_id)
-        gave_up = entry.abandoned if entry is not None else tomb.abandoned if tomb is not None else ()
-        ack = NotifyFailure(  # an abandoned WRITE's bytes may still land: the decode waits for the fence
-            msg.request_id,
-            msg.attempt,
-            msg.decode_engine_id,
-            msg.decode_rank,
-            reason,
-            (msg.attempt, msg.decode_rank) in gave_up,
-            Failure.ABORTED,
-        )
-        owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
-        if foreign(owner, msg.decode_engine_id):
-            why = f"abort refused: {claimed_by_other(msg.request_id)}"
-            return [NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, why)]
-        if entry is None:
-            if tomb is None or tomb.attempt < msg.attempt:
-                self._tombstones.decode_aborted(msg.request_id, msg.attempt, msg.decode_engine_id, now)
-            return [ack]
-        if entry.phase is SendPhase.OPEN:
-            entry.owner = msg.decode_engine_id
-        if msg.attempt < entry.attempt:
-            # a superseded attempt: nothing more is written into it; if no WRITE of it is in flight the
-            # decode may have its blocks back now (else the WRITE's outcome answers)
-            return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
-        if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
-            self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
-        rank = entry.ranks.get(msg.decode_rank)
-        before = rank.state if rank is not None else None
-        actions = self._end(entry, reason, Failure.ABORTED) + self._advance(entry, now)
-        told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
-        if not told and before not in (DecodeRankState.WRITING, DecodeRankState.DONE):
-            actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
-        return actions
-
-    def on_tick(self, now: float) -> list[SenderAction]:
-        actions: list[SenderAction] = []
-        for entry in list(self._entries.values()):
-            expired = self._expire_registrations(entry, now) if entry.phase is SendPhase.OPEN else []
-            if expired:
-                actions += expired
-                continue
-            if entry.phase is SendPhase.OPEN and now >= entry.deadline and not entry.writing():
-                if entry.src_blocks is None:
-                    why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
-                else:
-                    why = f"lease expired: no registration from decode within {self.lease_s}s"
-                actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
-            elif (
-                entry.phase is SendPhase.ENDING
-                and entry.src_blocks is None
-                and now >= entry.deadline
-                and not entry.writing()
-            ):
-                self._finish(entry, now)  # waited long enough for a prefill_done that never came
-        self._tombstones.expire(now)
-        return actions
-
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
         """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
         return any(
@@ -386,53 +302,6 @@ class SenderState(RangePosting):
         )
 
     # ---- internals --------------------------------------------------------------------------------
-    def _expire_registrations(self, entry: Entry, now: float) -> list[SenderAction]:
-        """A registration whose expiry passed before its WRITE could start can never be served."""
-        for d, rank in sorted(entry.ranks.items()):
-            if (
-                rank.state is DecodeRankState.REGISTERED
-                and rank.reg is not None
-                and now >= rank.reg.expires_at
-            ):
-                self._move(rank, RankEvent.REFUSE)
-                why = "registration expired before prefill could write it"
-                return [
-                    NotifyFailure(
-                        entry.request_id, entry.attempt, entry.decode_engine_id, d, why, kind=Failure.EXPIRED
-                    ),
-                    *self._end(entry, f"decode rank {d}'s {why}", Failure.EXPIRED),
-                    *self._advance(entry, now),
-                ]
-        return []
-
-    def _new_attempt(
-        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
-    ) -> None:
-        """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
-        self._fence_in_flight(entry, None)
-        entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
-        entry.ranks = {d: Rank(heads) for d, heads in owed.items()}
-        entry.nbytes = 0
-
-    def _drop_claim(self, entry: Entry) -> list[SenderAction]:
-        """Another engine registered before the prefill engine named the owner: that engine is told and its
-        claim forgotten (streamed ranges already in flight to it are told once they settled)."""
-        told: list[SenderAction] = [
-            NotifyFailure(
-                entry.request_id,
-                entry.attempt,
-                entry.decode_engine_id,
-                d,
-                claimed_by_other(entry.request_id),
-                kind=Failure.REFUSED,
-            )
-            for d, rank in sorted(entry.ranks.items())
-            if rank.state is DecodeRankState.REGISTERED
-        ]
-        self._fence_in_flight(entry, Trouble(claimed_by_other(entry.request_id), Failure.REFUSED))
-        entry.attempt, entry.decode_engine_id, entry.decode_tp, entry.ranks = -1, "", 0, {}
-        return told
-
     def _refuse_registration(self, reg: Registration) -> str:
         if self.owes_nothing:
             return f"prefill rank {self.rank} owes no decode rank KV: a lower rank writes every head it holds"
@@ -446,23 +315,6 @@ class SenderState(RangePosting):
                 f"(decode TP {reg.decode_tp}, prefill TP {self.tp})"
             )
         return ""
-
-    def _end(self, entry: Entry, reason: str, kind: Failure) -> list[SenderAction]:
-        """The request will write nothing more: registered ranks are told, owed ones just close."""
-        if entry.phase is SendPhase.ENDING:
-            return []
-        entry.phase, entry.reason, entry.kind = SendPhase.ENDING, reason, kind
-        actions: list[SenderAction] = []
-        for d, rank in sorted(entry.ranks.items()):
-            before = rank.state
-            self._move(rank, RankEvent.END)
-            if before is DecodeRankState.REGISTERED:
-                actions.append(
-                    NotifyFailure(
-                        entry.request_id, entry.attempt, entry.decode_engine_id, d, reason, kind=kind
-                    )
-                )
-        return actions
 
     def _advance(self, entry: Entry, now: float) -> list[SenderAction]:
         """Start what can start, then release the source once nothing can still read it.
@@ -492,9 +344,3 @@ class SenderState(RangePosting):
             )
             self._finish(entry, None)
         return actions
-
-    def _finish(self, entry: Entry, now: float | None) -> None:
-        del self._entries[entry.request_id]
-        expiry = (now if now is not None else entry.deadline) + self.tombstone_s
-        gave_up = frozenset(entry.abandoned)
-        self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry, gave_up)
