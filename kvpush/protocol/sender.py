@@ -28,12 +28,16 @@ from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .groups import BlockIds, single_table
 from .ranges import StreamPolicy
 from .reasons import Failure
+from .sender_actions import Arm as Arm
+from .sender_actions import Disarm as Disarm
 from .sender_actions import EventOrder as EventOrder
 from .sender_actions import NotifyDone as NotifyDone
 from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
+from .sender_arm import Arming
+from .sender_arm import disarm as disarm
 from .sender_end import RequestEnding
 from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
 from .sender_table import DecodeRankState as DecodeRankState
@@ -46,7 +50,7 @@ from .tp import owes_nothing, receivers_for, senders_for
 from .wire import Registration
 
 
-class SenderState(RequestEnding):
+class SenderState(Arming, RequestEnding):
     """One prefill rank's view of every request it may push."""
 
     def __init__(
@@ -108,6 +112,8 @@ class SenderState(RequestEnding):
             entry = self._entries[reg.request_id] = Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
+        if entry.sourced:  # named by source_blocks only: the registration is the first real event
+            entry.created_by, entry.sourced = "registration_first", False
         if entry.phase is SendPhase.OPEN:
             entry.owner = reg.decode_engine_id
         if entry.phase is SendPhase.ENDING:
@@ -119,10 +125,11 @@ class SenderState(RequestEnding):
             return [refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
+        dropped: list[SenderAction] = []  # WRITEs made ahead for the superseded attempt (sender_arm.py)
         if reg.attempt > entry.attempt:
             if expired:
                 return expired  # never supersede the current attempt with one that may not be written
-            self._new_attempt(
+            dropped = self._new_attempt(
                 entry,
                 reg.attempt,
                 reg.decode_engine_id,
@@ -134,14 +141,15 @@ class SenderState(RequestEnding):
         if rank is None or reg.decode_tp != entry.decode_tp:
             why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
+                *dropped,
+                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}"),
             ]
         if rank.state is DecodeRankState.OWED:
             if expired:
-                return expired
+                return dropped + expired
             rank.reg, rank.align = reg, align
         self._move(rank, RankEvent.REGISTER)
-        return self._advance(entry, now)
+        return dropped + self._advance(entry, now)
 
     def on_prefill_done(
         self,
@@ -168,6 +176,8 @@ class SenderState(RequestEnding):
             entry = self._entries[request_id] = Entry(
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
+        if entry.sourced:
+            entry.created_by, entry.sourced = "prefill_first", False
         if entry.src_blocks is not None:
             why = "duplicate prefill_done: kept the first"
             return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
@@ -209,15 +219,18 @@ class SenderState(RequestEnding):
             )
         if entry.src_blocks is not None:
             return []  # prefill_done said it all
+        if entry.sourced:
+            entry.created_by, entry.sourced = "prefill_first", False
+        dropped = disarm(entry)  # a streamed request moves in ranges: nothing made ahead is posted
         old = entry.ready_blocks
         if old is not None and (len(block_ids) < len(old) or block_ids[: len(old)] != old):
             why = "kv_ready's block table does not extend the one reported before"
-            return self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
+            return dropped + self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
         entry.ready_blocks = block_ids
         ready = entry.ready = entry.ready or [0] * self.num_layers
         for layer in range(*(layers or (0, self.num_layers))):
             ready[layer] = max(ready[layer], num_tokens)
-        actions: list[SenderAction] = []
+        actions = dropped
         if entry.phase is SendPhase.OPEN:
             if decode_engine_id:
                 if foreign(entry.owner, decode_engine_id):
@@ -291,12 +304,14 @@ class SenderState(RequestEnding):
         return actions + self._advance(entry, now)
 
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
-        """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
+        """True while a WRITE towards that decode rank may be in flight, or is made ahead (its peer must
+        not be pruned)."""
         return any(
             e.decode_engine_id == decode_engine_id
             and (
                 any(d == decode_rank for _a, d in e.stale_in_flight)
                 or (decode_rank in e.ranks and e.ranks[decode_rank].inflight > 0)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].armed is not None)
             )
             for e in self._entries.values()
         )
@@ -329,6 +344,8 @@ class SenderState(RequestEnding):
                 return expired  # it ended the entry and advanced it already
         if entry.phase is SendPhase.OPEN and something:
             actions += self._post_ranges(entry, now)
+        elif entry.source is not None:
+            actions += self._arm(entry, now)  # registered before prefill_done: make the WRITE ahead
         if entry.writing():
             return actions
         done = all(r.state is DecodeRankState.DONE for r in entry.ranks.values())

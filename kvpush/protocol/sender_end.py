@@ -9,6 +9,7 @@ from __future__ import annotations
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .reasons import Failure
 from .sender_actions import NotifyFailure, ReleaseSource, SenderAction
+from .sender_arm import disarm
 from .sender_stream import RangePosting
 from .sender_table import DecodeRankState, Entry, Rank, RankEvent, SendPhase, Trouble
 from .tp import HeadRange
@@ -77,8 +78,8 @@ class RequestEnding(RangePosting):
             # decode may have its blocks back now (else the WRITE's outcome answers)
             return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
         if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
-            self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
+            dropped = self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
+            return [*dropped, ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
         rank = entry.ranks.get(msg.decode_rank)
         before = rank.state if rank is not None else None
         actions = self._end(entry, reason, Failure.ABORTED) + self._advance(entry, now)
@@ -131,12 +132,15 @@ class RequestEnding(RangePosting):
 
     def _new_attempt(
         self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
-    ) -> None:
-        """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
+    ) -> list[SenderAction]:
+        """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset
+        (what was made ahead for them is dropped)."""
+        dropped = disarm(entry)
         self._fence_in_flight(entry, None)
         entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
         entry.ranks = {d: Rank(heads) for d, heads in owed.items()}
         entry.nbytes = 0
+        return dropped
 
     def _drop_claim(self, entry: Entry) -> list[SenderAction]:
         """Another engine registered before the prefill engine named the owner: that engine is told and its
@@ -153,6 +157,7 @@ class RequestEnding(RangePosting):
             for d, rank in sorted(entry.ranks.items())
             if rank.state is DecodeRankState.REGISTERED
         ]
+        told += disarm(entry)
         self._fence_in_flight(entry, Trouble(claimed_by_other(entry.request_id), Failure.REFUSED))
         entry.attempt, entry.decode_engine_id, entry.decode_tp, entry.ranks = -1, "", 0, {}
         return told
@@ -162,7 +167,7 @@ class RequestEnding(RangePosting):
         if entry.phase is SendPhase.ENDING:
             return []
         entry.phase, entry.reason, entry.kind = SendPhase.ENDING, reason, kind
-        actions: list[SenderAction] = []
+        actions = disarm(entry)
         for d, rank in sorted(entry.ranks.items()):
             before = rank.state
             self._move(rank, RankEvent.END)
