@@ -189,6 +189,10 @@ class SenderState(Arming, RequestEnding):
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
+        if entry.source is not None and entry.source[0] == block_ids:
+            fast = self._post_armed(entry, now)  # only post what was made ahead (sender_arm.py)
+            if fast is not None:
+                return actions + fast
         flat = single_table(block_ids)
         if entry.ready_blocks is not None and (
             flat is None or flat[: len(entry.ready_blocks)] != entry.ready_blocks

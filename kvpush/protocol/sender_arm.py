@@ -15,7 +15,7 @@ from __future__ import annotations
 from .claims import NO_OWNER, Tombstones, foreign
 from .groups import BlockIds
 from .ranges import Range
-from .sender_actions import Arm, Disarm, SenderAction
+from .sender_actions import Arm, Disarm, SenderAction, StartWrite
 from .sender_stream import RangePosting
 from .sender_table import DecodeRankState, Entry, RankEvent, SendPhase
 
@@ -92,3 +92,32 @@ class Arming(RangePosting):
             )
             out.append(Arm(write))
         return out
+
+    def _post_armed(self, entry: Entry, now: float) -> list[SenderAction] | None:
+        """prefill_done named the blocks source_blocks did: start every armed rank with the StartWrite it
+        holds, without planning ranges again (what `_advance` would return, found directly). None when
+        anything differs (a registered rank not armed, one expired, a streamed range): the general path."""
+        if entry.phase is not SendPhase.OPEN or entry.ready is not None:
+            return None
+        writes: list[StartWrite] = []
+        for rank in entry.ranks.values():
+            if rank.state is DecodeRankState.OWED:
+                continue
+            armed, reg = rank.armed, rank.reg
+            if (
+                rank.state is not DecodeRankState.REGISTERED
+                or armed is None
+                or reg is None
+                or now >= reg.expires_at
+                or reg.num_tokens > entry.num_tokens
+            ):
+                return None
+            writes.append(armed)
+        if not writes:
+            return None
+        for w in writes:
+            rank = entry.ranks[w.decode_rank]
+            self._move(rank, RankEvent.START)
+            rank.armed, rank.inflight, rank.final_posted = None, 1, True
+            rank.sent = [w.num_tokens] * self.num_layers
+        return list(writes)
