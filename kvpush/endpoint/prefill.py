@@ -380,6 +380,8 @@ class PrefillEndpoint(Endpoint[SendResult]):
         self._push = PushThread(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._push)
         self._streaming: set[str] = set()  # requests with a kv_ready sent to the push thread (not held)
+        # source_blocks' checked table, by request: prefill_done naming the same ids skips the check
+        self._sourced: dict[str, tuple[int, BlockIds]] = {}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -403,7 +405,11 @@ class PrefillEndpoint(Endpoint[SendResult]):
         may then register for it or abort it (otherwise the first engine to register owns it).
         """
         at = time.monotonic()
-        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        named = self._sourced.pop(request_id, None) if self._sourced else None
+        if named is not None and named[0] == num_tokens and tuple(block_ids) == named[1]:
+            blocks = named[1]  # checked at source_blocks (a flat table compares equal only to itself)
+        else:
+            blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._streaming.discard(request_id)
         self._push.submit(
             lambda: self._push.cmd_prefill_done(
@@ -427,6 +433,9 @@ class PrefillEndpoint(Endpoint[SendResult]):
         what was made and take the general path. decode_engine_id: as in prefill_done.
         """
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        if len(self._sourced) >= 4096:  # named and never finished (aborted, say): bounded, not exact
+            self._sourced.clear()
+        self._sourced[request_id] = (num_tokens, blocks)
         self._push.submit(
             lambda: self._push.cmd_source_blocks(request_id, blocks, num_tokens, decode_engine_id)
         )
@@ -462,4 +471,5 @@ class PrefillEndpoint(Endpoint[SendResult]):
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
         self._streaming.discard(request_id)
+        self._sourced.pop(request_id, None)
         self._push.submit(lambda: self._push.cmd_abort(request_id, reason))
