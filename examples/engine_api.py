@@ -36,6 +36,9 @@ def main() -> int:
         num_tokens = 1000
         decode_blocks = [5, 6, 7, *range(20, 49)]  # 32 tokens each
         prefill_blocks = list(range(100, 163))  # 16 tokens each
+        # optional: the engine names the source blocks while it computes (vLLM: during the forward pass), so
+        # once the decode has registered, the WRITE is planned, sealed and made ahead; prefill_done posts it
+        prefill.source_blocks("req-1", prefill_blocks, num_tokens)
         decode.expect("req-1", decode_blocks, num_tokens, where)  # decode allocated: register early
         prefill.prefill_done("req-1", prefill_blocks, num_tokens)  # prefill finished: hand over
 

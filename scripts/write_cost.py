@@ -10,6 +10,10 @@ writes everything to --json.
 
     python scripts/write_cost.py --base 4d7336b --rounds 3 --json out/write_cost.json
 
+`--variant name=--flag` (repeatable; several flags: `name="--a --b"`) adds a column: this checkout again
+with those extra demo flags, e.g. `--variant no_arm=--no-source-blocks` beside the armed default.
+`armed_per_write` is kvpush_per_write over the small requests whose WRITE was made ahead (source_blocks).
+
 The base must have the timeline marks (picked, sealed, queued: commit 4d7336b and later); the demo that
 runs is the tree's own.
 """
@@ -40,7 +44,17 @@ DEMO = [
     "1",
     "--no-references",
 ]
-KEYS = ("kvpush_per_write", "wake", "plan", "seal", "queue", "make", "copy", "trigger_to_posted")
+KEYS = (
+    "kvpush_per_write",
+    "armed_per_write",
+    "wake",
+    "plan",
+    "seal",
+    "queue",
+    "make",
+    "copy",
+    "trigger_to_posted",
+)
 
 
 def export(commit: str, into: Path) -> Path:
@@ -79,7 +93,17 @@ def row(res: dict[str, Any]) -> dict[str, float]:
     got = {k: float(v) for k, v in tl.get("stages", {}).items()}
     got["kvpush_per_write"] = float(tl.get("kvpush_per_write", tl["trigger_to_made"]))
     got["trigger_to_posted"] = float(tl["trigger_to_posted"])
+    armed = res.get("timeline_p50_us_small_armed")
+    if armed and armed.get("requests"):
+        got["armed_per_write"] = float(armed["kvpush_per_write"])
     return got
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+    name, sep, flags = text.partition("=")
+    if not sep or not name or not flags:
+        raise argparse.ArgumentTypeError(f"--variant takes name=--flag, got {text!r}")
+    return name, flags.split()
 
 
 def main() -> int:
@@ -87,14 +111,25 @@ def main() -> int:
     ap.add_argument("--base", default="4d7336b", help="the 'before' commit (default: timeline marks only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", dest="json_path", default="")
+    ap.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="also run this checkout with these extra demo flags, as column NAME",
+    )
     ap.add_argument("demo_args", nargs="*", help="extra `kvpush demo` flags (after --)")
     args = ap.parse_args()
-    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    trees: list[tuple[str, str | None, list[str]]] = [("before", "", []), ("after", None, [])]
+    trees += [(name, None, flags) for name, flags in args.variant]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in trees}
     with tempfile.TemporaryDirectory(prefix="kvpush-write-cost-") as tmp:
         base = export(args.base, Path(tmp) / "base")
         for i in range(args.rounds):
-            for name, path in (("before", str(base)), ("after", None)):
-                res = run_demo(path, Path(tmp) / f"{name}-{i}.json", args.demo_args)
+            for name, path, flags in trees:
+                where = str(base) if path == "" else path
+                res = run_demo(where, Path(tmp) / f"{name}-{i}.json", args.demo_args + flags)
                 runs[name].append(row(res))
                 print(f"round {i + 1} {name}: {runs[name][-1]}", file=sys.stderr)
     table = {
@@ -105,15 +140,21 @@ def main() -> int:
         }
         for name, rs in runs.items()
     }
-    print(f"{'p50 us (median of ' + str(args.rounds) + ' runs)':<34}{'before':>10}{'after':>10}")
+    head = f"{'p50 us (median of ' + str(args.rounds) + ' runs)':<34}"
+    print(head + "".join(f"{name:>10}" for name in runs))
     for k in KEYS:
-        print(
-            f"{k:<34}{table['before'].get(k, float('nan')):>10.1f}{table['after'].get(k, float('nan')):>10.1f}"
-        )
+        print(f"{k:<34}" + "".join(f"{table[name].get(k, float('nan')):>10.1f}" for name in runs))
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(
-                {"base": args.base, "demo": DEMO + args.demo_args, "runs": runs, "p50": table}, indent=2
+                {
+                    "base": args.base,
+                    "demo": DEMO + args.demo_args,
+                    "variants": {name: flags for name, flags in args.variant},
+                    "runs": runs,
+                    "p50": table,
+                },
+                indent=2,
             )
         )
     return 0

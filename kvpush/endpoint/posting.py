@@ -55,7 +55,15 @@ class DescWrite:
     mem_type: str
 
 
-WriteSpec = PreparedWrite | DescWrite
+@dataclass(frozen=True, eq=False)
+class MadeWrite:
+    """A WRITE made ahead of its trigger (endpoint/armed.py): posting it is one repost of `handle`, which
+    its owner releases exactly once: after it settles, or unposted through `discard`."""
+
+    handle: XferHandle
+
+
+WriteSpec = PreparedWrite | DescWrite | MadeWrite
 
 
 def write_spec(
@@ -75,10 +83,33 @@ def write_spec(
 
 
 def post(transport: Transport, spec: WriteSpec) -> XferHandle:
-    """Make and post one WRITE; the only place a WRITE leaves kvpush (push or posting thread)."""
+    """Make and post one WRITE; the only place a WRITE leaves kvpush (push or posting thread). A made
+    WRITE that fails to post is released here (as post_prepared releases what it made)."""
+    if isinstance(spec, MadeWrite):
+        try:
+            transport.repost(spec.handle)
+        except TransportError:
+            with contextlib.suppress(TransportError):
+                transport.release(spec.handle)
+            raise
+        return spec.handle
     if isinstance(spec, PreparedWrite):
         return transport.post_prepared(spec.local, spec.local_idx, spec.remote, spec.remote_idx, spec.notif)
     return transport.post_write(spec.peer, spec.local, spec.remote, spec.notif, spec.mem_type)
+
+
+def discard(transport: Transport, spec: WriteSpec) -> None:
+    """A WRITE that will never be posted: release what was made ahead for it (nothing for the others)."""
+    if isinstance(spec, MadeWrite):
+        try:
+            transport.release(spec.handle)
+        except TransportError as exc:
+            log.warning("kvpush: could not release a WRITE made ahead: %s", exc)
+
+
+def made_now(spec: WriteSpec) -> float:
+    """The timeline's `made` for a WRITE made ahead: now, as it is posted (0.0: the post times it)."""
+    return time.monotonic() if isinstance(spec, MadeWrite) else 0.0
 
 
 JobState = Literal["queued", "posted", "done", "failed", "skipped"]
@@ -136,6 +167,14 @@ class PostingPool:
             box.put(None)
         for t in self._threads:
             t.join(timeout=10)
+        for box in self._inbox:  # never started: what was made ahead for them is released
+            while True:
+                try:
+                    job = box.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    discard(self.transport, job.spec)
 
     def _settle(self, job: PostJob, state: JobState, error: str = "") -> None:
         job.state, job.error = state, error
@@ -152,16 +191,19 @@ class PostingPool:
     def _start(self, job: PostJob) -> bool:
         """Post one job; True if it is now in flight."""
         if job.abandoned:
+            discard(self.transport, job.spec)
             return False  # the owner settled it already
         if time.monotonic() >= job.deadline:
+            discard(self.transport, job.spec)
             self._settle(job, "skipped", "not posted: its WRITE deadline passed while it was queued")
             return False
+        made = made_now(job.spec)
         try:
             job.handle = post(self.transport, job.spec)
         except TransportError as exc:
             self._settle(job, "failed", str(exc))
             return False
-        job.made_at = self.transport.made_at() or 0.0
+        job.made_at = made or self.transport.made_at() or 0.0
         job.posted_at = time.monotonic()
         job.state = "posted"
         return True

@@ -29,8 +29,18 @@ from ..protocol.layout import KVLayout
 from ..protocol.plan import build_plan
 from ..protocol.prepared import Half, PairUnits
 from ..protocol.reasons import Failure
-from ..protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderAction, SenderState, StartWrite
+from ..protocol.sender import (
+    Arm,
+    Disarm,
+    NotifyDone,
+    NotifyFailure,
+    ReleaseSource,
+    SenderAction,
+    SenderState,
+    StartWrite,
+)
 from ..protocol.wire import Posted
+from .armed import ArmedStore
 from .base import (
     TIMELINE,
     Endpoint,
@@ -109,12 +119,14 @@ class PushThread(PushActions, EndpointThread[SendResult]):
         warm = [[0]] * self.layout.num_groups  # warm numpy's paths off the first request
         build_plan(self.layout, self.layout, warm, warm, 1)
         self.scheduler = WriteScheduler(self.config, self.transport, self.ledger, self.doorbell.ring)
+        self.armed = ArmedStore(self.transport)
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
         # report every request failed so the engine frees its source blocks; nothing is leaked.
         reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
         settled = self.scheduler.close(reason)
+        self.armed.close()  # WRITEs made ahead and never posted: released while the transport is open
         self.conns.listener.close()
         self.transport.close()  # deregistered: no WRITE reads our memory any more, held releases go now
         self.closing = True
@@ -199,7 +211,9 @@ class PushThread(PushActions, EndpointThread[SendResult]):
             peer = self.conns.peers.get((reg.decode_engine_id, reg.decode_rank))
             align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
             self._apply(self.state.on_registration(reg, event.at, align))
-            if reg.request_id not in self.prefill_done_at:
+            if reg.request_id not in self.prefill_done_at and (
+                (reg.request_id, reg.attempt, reg.decode_rank) not in self.armed
+            ):
                 self._plan_dst_early(reg)
         elif isinstance(event, DecodeAborted):
             self._apply(self.state.on_decode_abort(event.abort, time.monotonic()))
@@ -222,6 +236,10 @@ class PushThread(PushActions, EndpointThread[SendResult]):
                     self._notify_failure(act)
                 elif isinstance(act, NotifyDone):
                     self._notify_done(act)
+                elif isinstance(act, Arm):
+                    self._arm_write(act.write)
+                elif isinstance(act, Disarm):
+                    self.armed.drop((act.request_id, act.attempt, act.decode_rank))
                 else:
                     self._release(act)
             if not self.scheduler.queues:
@@ -285,6 +303,8 @@ class PushThread(PushActions, EndpointThread[SendResult]):
             self.held.append((until, act))  # write_linger_s is one value: `until` only grows along held
             return
         started = self.prefill_done_at.pop(act.request_id, None)
+        if self.armed:
+            self.armed.drop_request(act.request_id)  # a Disarm came already: never more than a leftover
         self.kv_written.pop(act.request_id, None)
         self.staged.discard(act.request_id)
         self.src_half.pop(act.request_id, None)
@@ -326,6 +346,14 @@ class PushThread(PushActions, EndpointThread[SendResult]):
         if request_id in self.prefill_done_at and "picked" not in self.timeline.get(request_id, ()):
             self._plan_src_early(request_id, block_ids, num_tokens)  # no WRITE yet: no registration
 
+    def cmd_source_blocks(
+        self, request_id: str, block_ids: BlockIds, num_tokens: int, decode_engine_id: str
+    ) -> None:
+        if self.hooks is not None or request_id in self.prefill_done_at:
+            return  # staging copies the blocks only after prefill_done; or prefill_done came already
+        now = time.monotonic()
+        self._apply(self.state.on_source_blocks(request_id, block_ids, num_tokens, now, decode_engine_id))
+
     def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
         if c.kv_written is not None:
             self.kv_written.setdefault(request_id, []).append(c.kv_written)
@@ -361,6 +389,8 @@ class PrefillEndpoint(Endpoint[SendResult]):
         self._push = PushThread(config, layout, mem_type, transport, control, hooks)
         super().__init__(config, layout, self._push)
         self._streaming: set[str] = set()  # requests with a kv_ready sent to the push thread (not held)
+        # source_blocks' checked table, by request: prefill_done naming the same ids skips the check
+        self._sourced: dict[str, tuple[int, BlockIds]] = {}
 
     @property
     def address(self) -> tuple[str, int]:
@@ -384,12 +414,39 @@ class PrefillEndpoint(Endpoint[SendResult]):
         may then register for it or abort it (otherwise the first engine to register owns it).
         """
         at = time.monotonic()
-        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        named = self._sourced.pop(request_id, None) if self._sourced else None
+        if named is not None and named[0] == num_tokens and tuple(block_ids) == named[1]:
+            blocks = named[1]  # checked at source_blocks (a flat table compares equal only to itself)
+        else:
+            blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._streaming.discard(request_id)
         self._push.submit(
             lambda: self._push.cmd_prefill_done(
                 request_id, blocks, num_tokens, at, kv_written, decode_engine_id
             )
+        )
+
+    def source_blocks(
+        self,
+        request_id: str,
+        block_ids: TableArg,
+        num_tokens: int,
+        decode_engine_id: str = "",
+    ) -> None:
+        """The engine is computing the prompt's KV into block_ids (as prefill_done will name them: one
+        table, or one per KV-cache group) and prefill_done follows; vLLM could say so during the forward
+        pass. A registered decode rank's WRITE is then planned, sealed and made now, so prefill_done with
+        the same blocks and tokens only posts it. Optional and non-blocking; the blocks stay the engine's
+        (nothing reads them before prefill_done), and a request that never gets its prefill_done ends
+        when its lease runs out. Other blocks at prefill_done, kv_ready ranges, an abort or expiry drop
+        what was made and take the general path. decode_engine_id: as in prefill_done.
+        """
+        blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
+        if len(self._sourced) >= 4096:  # named and never finished (aborted, say): bounded, not exact
+            self._sourced.clear()
+        self._sourced[request_id] = (num_tokens, blocks)
+        self._push.submit(
+            lambda: self._push.cmd_source_blocks(request_id, blocks, num_tokens, decode_engine_id)
         )
 
     def kv_ready(
@@ -423,4 +480,5 @@ class PrefillEndpoint(Endpoint[SendResult]):
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
         self._streaming.discard(request_id)
+        self._sourced.pop(request_id, None)
         self._push.submit(lambda: self._push.cmd_abort(request_id, reason))

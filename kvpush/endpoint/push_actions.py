@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.groups import BlockIds
+from ..protocol.handshake import REPLAY_WINDOW, Session
 from ..protocol.layout import KVLayout
-from ..protocol.order import done_notice, failure_notice, sealed_done, write_plan
+from ..protocol.order import NOTIF, done_notice, failure_notice, sealed_done, write_plan
 from ..protocol.plan import TransferPlan
 from ..protocol.prepared import Half, IndexPlan, PairUnits, build_index_plan, half_plan
 from ..protocol.reasons import Failure
@@ -30,8 +31,9 @@ from ..protocol.sender import (
 from ..protocol.tp import receivers_for
 from ..protocol.wire import Registration
 from ..transport.base import Transport
-from .posting import write_spec
-from .prefill_conns import DecodeConnections
+from .armed import ArmedStore, ArmedWrite
+from .posting import MadeWrite, discard, write_spec
+from .prefill_conns import DecodeConnections, DecodePeer, Prepared
 from .stats import Count, Ledger
 from .writes import Settled, WriteScheduler, failure_of
 
@@ -63,37 +65,27 @@ class PushActions:
     src_half: dict[str, Half]
     dst_half: dict[str, dict[tuple[int, int], Half]]
     last_units: PairUnits | None
+    armed: ArmedStore
 
     def _settle(self, outcomes: list[Settled]) -> list[SenderAction]:
         raise NotImplementedError
 
     def _start_write(self, act: StartWrite) -> list[SenderAction]:
         """A StartWrite becomes a queued WRITE: the source made ready, then one trip into protocol/
-        (write_order: plan and sealed notification); a failure settles it at once."""
+        (write_order: plan and sealed notification); a failure settles it at once. The StartWrite the
+        machine armed (sender_arm.py) queues what was made ahead: only the barrier and the post remain."""
         now = time.monotonic()
         self.ledger.add(_ORDER_COUNT[act.order])
-        dest = (act.decode_engine_id, act.decode_rank)
         marks = self.timeline.setdefault(act.request_id, {})
         if act.notify:
             marks.setdefault("prefill_done", self.prefill_done_at.get(act.request_id, now))
         marks.setdefault("registered", now)
         marks.setdefault("picked", now)
+        made = self.armed.take(act) if self.armed else None
+        if made is not None:
+            return self._start_armed(act, made, marks, now)
         try:
-            peer = self.conns.peers.get(dest)
-            if peer is None:
-                raise PeerGone(f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            self._source_ready(act)
-            prep = self.conns.prepared(peer, act.heads)
-            session = self.conns.session(dest)
-            if session is None:
-                raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
-            halves = self._halves(act, prep.units) if prep is not None else None
-            if halves is not None and prep is not None:  # a side planned before the trigger
-                plan: TransferPlan | IndexPlan = build_index_plan(
-                    prep.units, act.src_blocks, act.dst_blocks, act.num_tokens, halves=halves
-                )
-            else:
-                plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
+            peer, session, prep, plan = self._order(act, True)
         except (LayoutError, TransportError) as exc:
             return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
         marks.setdefault("plan_built", time.monotonic())
@@ -112,6 +104,77 @@ class PushActions:
             )
         self.scheduler.queue(act, plan, spec, now)
         marks.setdefault("queued", time.monotonic())
+        return []
+
+    def _order(
+        self, act: StartWrite, ready: bool
+    ) -> tuple[DecodePeer, Session, Prepared | None, TransferPlan | IndexPlan]:
+        """The peer, session, prepared pair and plan of act's WRITE; `ready`: run the engine's barriers
+        and staging first (not when the WRITE is only made ahead). LayoutError/TransportError."""
+        dest = (act.decode_engine_id, act.decode_rank)
+        peer = self.conns.peers.get(dest)
+        if peer is None:
+            raise PeerGone(f"no handshake with decode {act.decode_engine_id!r} rank {act.decode_rank}")
+        if ready:
+            self._source_ready(act)
+        prep = self.conns.prepared(peer, act.heads)
+        session = self.conns.session(dest)
+        if session is None:
+            raise PeerGone(f"no live session with decode {act.decode_engine_id!r} rank {act.decode_rank}")
+        halves = self._halves(act, prep.units) if prep is not None else None
+        if halves is not None and prep is not None:  # a side planned before the trigger
+            plan: TransferPlan | IndexPlan = build_index_plan(
+                prep.units, act.src_blocks, act.dst_blocks, act.num_tokens, halves=halves
+            )
+        else:
+            plan = write_plan(act, self.layout, peer.layout, prep.units if prep else None)
+        return peer, session, prep, plan
+
+    def _arm_write(self, act: StartWrite) -> None:
+        """The machine's Arm: plan, seal and make act's WRITE now, before prefill_done, and keep it
+        unposted (armed.py). Not with staging hooks (they copy the blocks only once prefill_done came)
+        nor for a pair without prepared lists; any failure leaves the general path to prefill_done."""
+        if self.hooks is not None:
+            return
+        try:
+            _peer, session, prep, plan = self._order(act, False)
+            if prep is None or not isinstance(plan, IndexPlan):
+                return
+            notif = sealed_done(act, self.layout.rank, plan.nbytes, session)
+            handle = self.transport.make_write(prep.local, plan.src_idx, prep.remote, plan.dst_idx, notif)
+        except (LayoutError, TransportError) as exc:
+            log.debug("kvpush push %s: not made ahead: %s", act.request_id, exc)
+            return
+        armed = ArmedWrite(act, plan, MadeWrite(handle), session, session.sealed(NOTIF), time.monotonic())
+        self.armed.put((act.request_id, act.attempt, act.decode_rank), armed)
+
+    def _start_armed(
+        self, act: StartWrite, made: ArmedWrite, marks: dict[str, float], now: float
+    ) -> list[SenderAction]:
+        """Queue the WRITE made ahead for act, after the engine's barriers; if its peer's session changed
+        since (or the decode's replay window would refuse its notification), make it anew instead."""
+        session = self.conns.session((act.decode_engine_id, act.decode_rank))
+        if session is not made.session or session.sealed(NOTIF) - made.seq >= REPLAY_WINDOW // 2:
+            discard(self.transport, made.spec)
+            try:
+                _peer, session, prep, plan = self._order(act, True)
+                if prep is None or not isinstance(plan, IndexPlan):
+                    raise TransportError("the decode's prepared lists are gone")
+                notif = sealed_done(act, self.layout.rank, plan.nbytes, session)
+                handle = self.transport.make_write(prep.local, plan.src_idx, prep.remote, plan.dst_idx, notif)
+            except (LayoutError, TransportError) as exc:
+                return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
+            made = ArmedWrite(act, plan, MadeWrite(handle), session, session.sealed(NOTIF), now)
+        elif self.kv_written:
+            try:
+                self._source_ready(act)
+            except TransportError as exc:
+                discard(self.transport, made.spec)
+                return self._settle([Settled(act, False, 0, str(exc), kind=failure_of(exc))])
+        marks["plan_built"] = marks["sealed"] = now
+        marks["armed"] = made.at  # made ahead (not a TIMELINE stage: the demo tells armed WRITEs apart)
+        self.scheduler.queue(act, made.plan, made.spec, now)
+        marks["queued"] = time.monotonic()
         return []
 
     def _halves(self, act: StartWrite, units: PairUnits) -> tuple[Half | None, Half | None] | None:

@@ -69,6 +69,7 @@ class Count(enum.Enum):
     PREPARED_DESCRIPTORS = "prepared_descriptors"  # descriptors the data plane holds in them
     OWED_NOTHING = "owed_nothing"  # prefill_done on a rank that owes no decode rank KV (never `ok`)
     FAILED_EXPIRED = "failed_expired"  # requests ended by a lease or registration running out
+    ARMED = "armed"  # WRITEs that posted what was made ahead of prefill_done (source_blocks)
 
 
 class High(enum.Enum):
@@ -138,6 +139,9 @@ class Counters:
     # failed requests whose lease or registration ran out (on a prefill with no registration: the decode
     # never heard of the request, e.g. its client left before the decode's API server passed it on)
     failed_expired: int = 0
+    # WRITEs that posted what was made ahead (source_blocks before prefill_done: planned, sealed and made
+    # while the engine computed; prefill_done only posted them)
+    armed: int = 0
 
 
 class Ledger:

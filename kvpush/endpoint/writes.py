@@ -24,7 +24,7 @@ from ..protocol.prepared import IndexPlan
 from ..protocol.reasons import Failure
 from ..protocol.sender import StartWrite
 from ..transport.base import Transport, XferHandle
-from .posting import PostingPool, PostJob, WriteSpec, post
+from .posting import MadeWrite, PostingPool, PostJob, WriteSpec, discard, made_now, post
 from .stats import Count, High, Ledger
 
 log = logging.getLogger("kvpush")
@@ -132,6 +132,8 @@ class WriteScheduler:
             if w.handle is not None:
                 with contextlib.suppress(TransportError):
                     self.transport.release(w.handle)
+            elif w.job is None:
+                discard(self.transport, w.spec)  # queued, never posted: a WRITE made ahead is released
         return [w.settled(False, reason, kind=Failure.CLOSED) for w in writes]
 
     # ---- dispatch -------------------------------------------------------------------------------
@@ -174,14 +176,16 @@ class WriteScheduler:
         """Put one WRITE in flight (here, or on a posting thread); None on success, else its failure."""
         now = time.monotonic()
         if now - w.queued_at >= self.config.leases.write_timeout_s:
+            discard(self.transport, w.spec)
             return w.settled(False, "WRITE not posted within write_timeout_s", now, kind=Failure.TIMEOUT)
         if self.pool is None:
+            made = made_now(w.spec)
             try:
                 w.handle = post(self.transport, w.spec)
             except TransportError as exc:
                 return w.settled(False, str(exc), now)
             w.posted_at = time.monotonic()
-            w.made_at = self.transport.made_at() or 0.0
+            w.made_at = made or self.transport.made_at() or 0.0
         else:
             flying = self.dest_flight.get(w.dest, 0)
             if flying and w.dest in self.dest_worker:
@@ -204,6 +208,8 @@ class WriteScheduler:
         self.ledger.add(Count.WRITES)
         self.ledger.add(Count.DESCRIPTORS, w.plan.num_descriptors)
         self.ledger.add(Count.BLOCKS, w.plan.num_blocks)
+        if isinstance(w.spec, MadeWrite):
+            self.ledger.add(Count.ARMED)
         if self.config.posting.nudge:
             self.nudges.append(w.action)
         return None

@@ -214,6 +214,11 @@ class Session:
         raw_seq = seq.to_bytes(SEQ_BYTES, "big")
         return bytes([SEALED]) + body + raw_seq + hmac_tag(self.key, self.send_dir, channel, raw_seq, body)
 
+    def sealed(self, channel: bytes = b"side") -> int:
+        """How many frames this side has sealed on `channel` (a frame sealed ahead, then held, is refused
+        as a replay once REPLAY_WINDOW later ones were opened before it)."""
+        return self._next.get(channel, 1) - 1
+
     def open(self, data: bytes, channel: bytes = b"side") -> Message:
         """The message in a frame, authenticated and fresh; WireError (AuthMismatch) otherwise."""
         flag, body, seq, tag = split_frame(data, self.codec.max_bytes)

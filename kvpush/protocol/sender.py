@@ -28,25 +28,29 @@ from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .groups import BlockIds, single_table
 from .ranges import StreamPolicy
 from .reasons import Failure
+from .sender_actions import Arm as Arm
+from .sender_actions import Disarm as Disarm
 from .sender_actions import EventOrder as EventOrder
 from .sender_actions import NotifyDone as NotifyDone
 from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
-from .sender_stream import RangePosting
+from .sender_arm import Arming
+from .sender_arm import disarm as disarm
+from .sender_end import RequestEnding
 from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
 from .sender_table import DecodeRankState as DecodeRankState
-from .sender_table import Entry, Rank, Trouble, refusal
+from .sender_table import Entry, Trouble, refusal
 from .sender_table import RankEvent as RankEvent
 from .sender_table import SendPhase as SendPhase
 from .sender_table import sender_transition as sender_transition
 from .table import IGNORE as IGNORE
-from .tp import HeadRange, owes_nothing, receivers_for, senders_for
-from .wire import Abort, Registration
+from .tp import owes_nothing, receivers_for, senders_for
+from .wire import Registration
 
 
-class SenderState(RangePosting):
+class SenderState(Arming, RequestEnding):
     """One prefill rank's view of every request it may push."""
 
     def __init__(
@@ -108,6 +112,8 @@ class SenderState(RangePosting):
             entry = self._entries[reg.request_id] = Entry(
                 reg.request_id, now + self.lease_s, created_by="registration_first"
             )
+        if entry.sourced:  # named by source_blocks only: the registration is the first real event
+            entry.created_by, entry.sourced = "registration_first", False
         if entry.phase is SendPhase.OPEN:
             entry.owner = reg.decode_engine_id
         if entry.phase is SendPhase.ENDING:
@@ -119,10 +125,11 @@ class SenderState(RangePosting):
             return [refusal(reg, entry.reason, entry.kind)]
         if reg.attempt < entry.attempt:
             return []  # superseded by a newer attempt: never written
+        dropped: list[SenderAction] = []  # WRITEs made ahead for the superseded attempt (sender_arm.py)
         if reg.attempt > entry.attempt:
             if expired:
                 return expired  # never supersede the current attempt with one that may not be written
-            self._new_attempt(
+            dropped = self._new_attempt(
                 entry,
                 reg.attempt,
                 reg.decode_engine_id,
@@ -134,14 +141,15 @@ class SenderState(RangePosting):
         if rank is None or reg.decode_tp != entry.decode_tp:
             why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
             return [
-                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}")
+                *dropped,
+                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}"),
             ]
         if rank.state is DecodeRankState.OWED:
             if expired:
-                return expired
+                return dropped + expired
             rank.reg, rank.align = reg, align
         self._move(rank, RankEvent.REGISTER)
-        return self._advance(entry, now)
+        return dropped + self._advance(entry, now)
 
     def on_prefill_done(
         self,
@@ -168,6 +176,8 @@ class SenderState(RangePosting):
             entry = self._entries[request_id] = Entry(
                 request_id, now + self.lease_s, created_by="prefill_first"
             )
+        if entry.sourced:
+            entry.created_by, entry.sourced = "prefill_first", False
         if entry.src_blocks is not None:
             why = "duplicate prefill_done: kept the first"
             return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
@@ -179,6 +189,10 @@ class SenderState(RangePosting):
         entry.src_blocks, entry.num_tokens = block_ids, num_tokens
         if entry.phase is SendPhase.OPEN:
             entry.deadline = now + self.lease_s
+        if entry.source is not None and entry.source[0] == block_ids:
+            fast = self._post_armed(entry, now)  # only post what was made ahead (sender_arm.py)
+            if fast is not None:
+                return actions + fast
         flat = single_table(block_ids)
         if entry.ready_blocks is not None and (
             flat is None or flat[: len(entry.ready_blocks)] != entry.ready_blocks
@@ -209,15 +223,18 @@ class SenderState(RangePosting):
             )
         if entry.src_blocks is not None:
             return []  # prefill_done said it all
+        if entry.sourced:
+            entry.created_by, entry.sourced = "prefill_first", False
+        dropped = disarm(entry)  # a streamed request moves in ranges: nothing made ahead is posted
         old = entry.ready_blocks
         if old is not None and (len(block_ids) < len(old) or block_ids[: len(old)] != old):
             why = "kv_ready's block table does not extend the one reported before"
-            return self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
+            return dropped + self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
         entry.ready_blocks = block_ids
         ready = entry.ready = entry.ready or [0] * self.num_layers
         for layer in range(*(layers or (0, self.num_layers))):
             ready[layer] = max(ready[layer], num_tokens)
-        actions: list[SenderAction] = []
+        actions = dropped
         if entry.phase is SendPhase.OPEN:
             if decode_engine_id:
                 if foreign(entry.owner, decode_engine_id):
@@ -290,149 +307,20 @@ class SenderState(RangePosting):
             actions += self._end(entry, ending, kind)
         return actions + self._advance(entry, now)
 
-    def abort(
-        self, request_id: str, reason: str, now: float, kind: Failure = Failure.ABORTED
-    ) -> list[SenderAction]:
-        entry = self._entries.get(request_id)
-        if entry is None:
-            self._tombstones.prefill_aborted(request_id, now)
-            return []
-        return self._end(entry, reason, kind) + self._advance(entry, now)
-
-    def drop_streamed(self, reason: str) -> list[SenderAction]:
-        """Closing: a request that streamed ranges but never heard prefill_done gives its kv_ready blocks
-        back now (the transport is closed, so no WRITE reads them, and the engine can no longer call
-        prefill_done, the terminal call it would otherwise wait for)."""
-        out: list[SenderAction] = []
-        for entry in list(self._entries.values()):
-            if entry.src_blocks is None and entry.ready_blocks is not None:
-                blocks, n = entry.ready_blocks, entry.nbytes
-                out.append(ReleaseSource(entry.request_id, blocks, False, n, reason, Failure.CLOSED))
-                self._finish(entry, None)
-        return out
-
-    def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
-        """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
-        reason = f"aborted by decode rank {msg.decode_rank}: {msg.reason}"
-        entry = self._entries.get(msg.request_id)
-        tomb = self._tombstones.get(msg.request_id)
-        gave_up = entry.abandoned if entry is not None else tomb.abandoned if tomb is not None else ()
-        ack = NotifyFailure(  # an abandoned WRITE's bytes may still land: the decode waits for the fence
-            msg.request_id,
-            msg.attempt,
-            msg.decode_engine_id,
-            msg.decode_rank,
-            reason,
-            (msg.attempt, msg.decode_rank) in gave_up,
-            Failure.ABORTED,
-        )
-        owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
-        if foreign(owner, msg.decode_engine_id):
-            why = f"abort refused: {claimed_by_other(msg.request_id)}"
-            return [NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, why)]
-        if entry is None:
-            if tomb is None or tomb.attempt < msg.attempt:
-                self._tombstones.decode_aborted(msg.request_id, msg.attempt, msg.decode_engine_id, now)
-            return [ack]
-        if entry.phase is SendPhase.OPEN:
-            entry.owner = msg.decode_engine_id
-        if msg.attempt < entry.attempt:
-            # a superseded attempt: nothing more is written into it; if no WRITE of it is in flight the
-            # decode may have its blocks back now (else the WRITE's outcome answers)
-            return [] if (msg.attempt, msg.decode_rank) in entry.stale_in_flight else [ack]
-        if msg.attempt > entry.attempt:  # abort of an attempt whose registration has not arrived yet
-            self._new_attempt(entry, msg.attempt, msg.decode_engine_id, entry.decode_tp, {})
-            return [ack, *self._end(entry, reason, Failure.ABORTED), *self._advance(entry, now)]
-        rank = entry.ranks.get(msg.decode_rank)
-        before = rank.state if rank is not None else None
-        actions = self._end(entry, reason, Failure.ABORTED) + self._advance(entry, now)
-        told = any(isinstance(a, NotifyFailure) and a.decode_rank == msg.decode_rank for a in actions)
-        if not told and before not in (DecodeRankState.WRITING, DecodeRankState.DONE):
-            actions.insert(0, ack)  # the WRITE's own outcome answers a rank mid-WRITE or done
-        return actions
-
-    def on_tick(self, now: float) -> list[SenderAction]:
-        actions: list[SenderAction] = []
-        for entry in list(self._entries.values()):
-            expired = self._expire_registrations(entry, now) if entry.phase is SendPhase.OPEN else []
-            if expired:
-                actions += expired
-                continue
-            if entry.phase is SendPhase.OPEN and now >= entry.deadline and not entry.writing():
-                if entry.src_blocks is None:
-                    why = f"lease expired: prefill of this request did not finish within {self.lease_s}s"
-                else:
-                    why = f"lease expired: no registration from decode within {self.lease_s}s"
-                actions += self._end(entry, why, Failure.EXPIRED) + self._advance(entry, now)
-            elif (
-                entry.phase is SendPhase.ENDING
-                and entry.src_blocks is None
-                and now >= entry.deadline
-                and not entry.writing()
-            ):
-                self._finish(entry, now)  # waited long enough for a prefill_done that never came
-        self._tombstones.expire(now)
-        return actions
-
     def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
-        """True while a WRITE towards that decode rank may be in flight (its peer must not be pruned)."""
+        """True while a WRITE towards that decode rank may be in flight, or is made ahead (its peer must
+        not be pruned)."""
         return any(
             e.decode_engine_id == decode_engine_id
             and (
                 any(d == decode_rank for _a, d in e.stale_in_flight)
                 or (decode_rank in e.ranks and e.ranks[decode_rank].inflight > 0)
+                or (decode_rank in e.ranks and e.ranks[decode_rank].armed is not None)
             )
             for e in self._entries.values()
         )
 
     # ---- internals --------------------------------------------------------------------------------
-    def _expire_registrations(self, entry: Entry, now: float) -> list[SenderAction]:
-        """A registration whose expiry passed before its WRITE could start can never be served."""
-        for d, rank in sorted(entry.ranks.items()):
-            if (
-                rank.state is DecodeRankState.REGISTERED
-                and rank.reg is not None
-                and now >= rank.reg.expires_at
-            ):
-                self._move(rank, RankEvent.REFUSE)
-                why = "registration expired before prefill could write it"
-                return [
-                    NotifyFailure(
-                        entry.request_id, entry.attempt, entry.decode_engine_id, d, why, kind=Failure.EXPIRED
-                    ),
-                    *self._end(entry, f"decode rank {d}'s {why}", Failure.EXPIRED),
-                    *self._advance(entry, now),
-                ]
-        return []
-
-    def _new_attempt(
-        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
-    ) -> None:
-        """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset."""
-        self._fence_in_flight(entry, None)
-        entry.attempt, entry.decode_engine_id, entry.decode_tp = attempt, engine_id, decode_tp
-        entry.ranks = {d: Rank(heads) for d, heads in owed.items()}
-        entry.nbytes = 0
-
-    def _drop_claim(self, entry: Entry) -> list[SenderAction]:
-        """Another engine registered before the prefill engine named the owner: that engine is told and its
-        claim forgotten (streamed ranges already in flight to it are told once they settled)."""
-        told: list[SenderAction] = [
-            NotifyFailure(
-                entry.request_id,
-                entry.attempt,
-                entry.decode_engine_id,
-                d,
-                claimed_by_other(entry.request_id),
-                kind=Failure.REFUSED,
-            )
-            for d, rank in sorted(entry.ranks.items())
-            if rank.state is DecodeRankState.REGISTERED
-        ]
-        self._fence_in_flight(entry, Trouble(claimed_by_other(entry.request_id), Failure.REFUSED))
-        entry.attempt, entry.decode_engine_id, entry.decode_tp, entry.ranks = -1, "", 0, {}
-        return told
-
     def _refuse_registration(self, reg: Registration) -> str:
         if self.owes_nothing:
             return f"prefill rank {self.rank} owes no decode rank KV: a lower rank writes every head it holds"
@@ -447,23 +335,6 @@ class SenderState(RangePosting):
             )
         return ""
 
-    def _end(self, entry: Entry, reason: str, kind: Failure) -> list[SenderAction]:
-        """The request will write nothing more: registered ranks are told, owed ones just close."""
-        if entry.phase is SendPhase.ENDING:
-            return []
-        entry.phase, entry.reason, entry.kind = SendPhase.ENDING, reason, kind
-        actions: list[SenderAction] = []
-        for d, rank in sorted(entry.ranks.items()):
-            before = rank.state
-            self._move(rank, RankEvent.END)
-            if before is DecodeRankState.REGISTERED:
-                actions.append(
-                    NotifyFailure(
-                        entry.request_id, entry.attempt, entry.decode_engine_id, d, reason, kind=kind
-                    )
-                )
-        return actions
-
     def _advance(self, entry: Entry, now: float) -> list[SenderAction]:
         """Start what can start, then release the source once nothing can still read it.
 
@@ -477,6 +348,8 @@ class SenderState(RangePosting):
                 return expired  # it ended the entry and advanced it already
         if entry.phase is SendPhase.OPEN and something:
             actions += self._post_ranges(entry, now)
+        elif entry.source is not None:
+            actions += self._arm(entry, now)  # registered before prefill_done: make the WRITE ahead
         if entry.writing():
             return actions
         done = all(r.state is DecodeRankState.DONE for r in entry.ranks.values())
@@ -492,9 +365,3 @@ class SenderState(RangePosting):
             )
             self._finish(entry, None)
         return actions
-
-    def _finish(self, entry: Entry, now: float | None) -> None:
-        del self._entries[entry.request_id]
-        expiry = (now if now is not None else entry.deadline) + self.tombstone_s
-        gave_up = frozenset(entry.abandoned)
-        self._tombstones.finished(entry.request_id, entry.attempt, entry.owner, expiry, gave_up)

@@ -1,5 +1,5 @@
 """The sender machine's actions: what SenderState asks its edge to do (start a WRITE, tell a decode rank it
-will not be written, release source blocks). Plain frozen data, so the edge and the tests read them alike."""
+will not be written, release source blocks, make a WRITE ahead or drop one). Plain frozen data, so the edge and the tests read them alike."""
 
 from __future__ import annotations
 
@@ -69,4 +69,23 @@ class ReleaseSource:
     owed_nothing: bool = False
 
 
-SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource
+@dataclass(frozen=True)
+class Arm:
+    """The source blocks are named and the decode rank registered, before prefill_done: plan, seal and
+    make `write` now, but do not post it. prefill_done with the same blocks returns this very StartWrite
+    (`is`), and the edge then only posts what it made; anything else sends a Disarm first."""
+
+    write: StartWrite
+
+
+@dataclass(frozen=True)
+class Disarm:
+    """The WRITE made ahead for this rank will never be posted: release it (the general path, if any,
+    makes its own)."""
+
+    request_id: str
+    attempt: int
+    decode_rank: int
+
+
+SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource | Arm | Disarm

@@ -9,7 +9,7 @@ from . import sender_table
 from .groups import BlockIds
 from .ranges import Range, StreamPolicy, pending_ranges
 from .reasons import Failure
-from .sender_actions import NotifyDone, NotifyFailure, SenderAction, StartWrite
+from .sender_actions import Disarm, NotifyDone, NotifyFailure, SenderAction, StartWrite
 from .sender_table import DecodeRankState, Entry, Rank, RankEvent, Stale, Trouble, refusal
 from .wire import Registration
 
@@ -78,9 +78,15 @@ class RangePosting:
                 return actions + self._end(entry, ending, kind)
             blocks = entry.src_blocks if entry.src_blocks is not None else entry.ready_blocks
             assert blocks is not None
+            armed, rank.armed = rank.armed, None  # made ahead (sender_arm.py): posted or dropped here
             for r in todo:
                 notify = final and len(todo) == 1 and rank.inflight == 0
-                actions.append(self._start(entry, d, rank, reg, blocks, r, notify))
+                write = self._start(entry, d, rank, reg, blocks, r, notify)
+                if armed is not None and armed == write:
+                    write, armed = armed, None  # the very WRITE made ahead: the edge only posts it
+                actions.append(write)
+            if armed is not None:  # prefill_done named other blocks or tokens: the general path
+                actions.append(Disarm(entry.request_id, entry.attempt, d))
             if final and not todo and rank.inflight == 0 and rank.state is DecodeRankState.REGISTERED:
                 self._move(rank, RankEvent.WRITE_OK)  # every range had landed before prefill_done
                 actions.append(
@@ -102,6 +108,19 @@ class RangePosting:
         rank.inflight += 1
         rank.final_posted = notify
         rank.sent[r.l0 : r.l1] = [r.t1] * (r.l1 - r.l0)
+        return self._write_for(entry, d, rank, reg, blocks, r, notify)
+
+    def _write_for(
+        self,
+        entry: Entry,
+        d: int,
+        rank: Rank,
+        reg: Registration,
+        blocks: BlockIds,
+        r: Range,
+        notify: bool,
+    ) -> StartWrite:
+        """The StartWrite for range `r` into rank `d` (no state moves: arming builds one ahead)."""
         layers = None if (r.l0, r.l1) == (0, self.num_layers) else (r.l0, r.l1)
         return StartWrite(
             entry.request_id,

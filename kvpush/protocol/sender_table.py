@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from .claims import NO_OWNER
 from .groups import BlockIds
 from .reasons import Failure
-from .sender_actions import EventOrder, NotifyFailure
+from .sender_actions import EventOrder, NotifyFailure, StartWrite
 from .table import IGNORE, Ignore, transition
 from .tp import HeadRange
 from .wire import Registration
@@ -49,6 +49,7 @@ class RankEvent(enum.Enum):
     WRITE_FAILED = "write_failed"  # the last WRITE in flight settled and the rank is not served
     REFUSE = "refuse"  # the registration cannot be served (token count mismatch, expiry)
     END = "end"  # the request is ending (abort, lease, another rank's failure)
+    ARM = "arm"  # the source blocks are named before prefill_done: its WRITE is made ahead, not posted
 
 
 S, E = DecodeRankState, RankEvent
@@ -56,6 +57,7 @@ SENDER_TRANSITIONS: dict[tuple[DecodeRankState, RankEvent], DecodeRankState | Ig
     (S.OWED, E.REGISTER): S.REGISTERED,
     (S.OWED, E.END): S.FAILED,
     (S.REGISTERED, E.REGISTER): IGNORE,  # duplicate registration
+    (S.REGISTERED, E.ARM): S.REGISTERED,  # made ahead (Rank.armed); prefill_done's START posts it
     (S.REGISTERED, E.START): S.WRITING,
     (S.REGISTERED, E.WRITE_OK): S.DONE,  # every range had landed: the notification goes alone
     (S.REGISTERED, E.REFUSE): S.FAILED,
@@ -109,6 +111,7 @@ class Rank:
     landed: int = 0  # bytes landed so far
     final_posted: bool = False  # the WRITE carrying the notification is posted
     trouble: Trouble | None = None
+    armed: StartWrite | None = None  # the WRITE made ahead of prefill_done (sender_arm.py), not posted
 
 
 @dataclass
@@ -141,6 +144,9 @@ class Entry:
     stale_in_flight: dict[tuple[int, int], Stale] = field(default_factory=dict)  # (attempt, rank)
     nbytes: int = 0
     abandoned: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank): a WRITE given up
+    # source_blocks' word before prefill_done: (table, tokens, the decode engine it names or "")
+    source: tuple[BlockIds, int, str] | None = None
+    sourced: bool = False  # created by source_blocks: created_by is set by the first real event
 
     def writing(self) -> bool:
         return bool(self.stale_in_flight) or any(r.inflight for r in self.ranks.values())

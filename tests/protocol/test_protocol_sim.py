@@ -12,7 +12,9 @@ Invariants checked after every step and at the end:
     (longer than the WRITE timeout: the prefill abandons them, their bytes may still land within the
     linger), prefill stalls (time passes while the prefill processes nothing) and prefill_done near the
     lease end;
-  - once the clock passes every deadline, nothing is left pending anywhere.
+  - once the clock passes every deadline, nothing is left pending anywhere;
+  - a WRITE made ahead (source_blocks named before prefill_done: Arm) is for the newest attempt, and is
+    either posted (prefill_done's StartWrite is the armed one itself) or dropped (Disarm), exactly once.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.protocol.receiver import Discarded, Failed, Ready, ReceiverState, SendAbort, SendRegistration
-from kvpush.protocol.sender import NotifyFailure, ReleaseSource, SenderState, StartWrite
+from kvpush.protocol.sender import Arm, Disarm, NotifyFailure, ReleaseSource, SenderState, StartWrite
 from kvpush.protocol.wire import TransferDone, TransferFailed
 
 LEASE, READY_TIMEOUT, TOMB = 10.0, 15.0, 30.0
@@ -64,6 +66,9 @@ class World:
     terminal: Counter[tuple[int, str, int]] = field(default_factory=Counter)
     completed_writes: set[tuple[str, int, int, int]] = field(default_factory=set)  # (req, attempt, p, d)
     next_block: int = 0
+    planned: dict[str, tuple[int, ...]] = field(default_factory=dict)  # named by source_blocks
+    arms: dict[tuple[int, str, int, int], StartWrite] = field(default_factory=dict)  # (p, req, attempt, d)
+    armed_posts: int = 0
 
     def __post_init__(self) -> None:
         self.senders = [SenderState(p, self.p_tp, self.heads, LEASE, TOMB) for p in range(self.p_tp)]
@@ -75,7 +80,21 @@ class World:
     # ---- applying actions -------------------------------------------------------------------------
     def sender_actions(self, p: int, actions: list) -> None:
         for a in actions:
+            if isinstance(a, Arm):
+                w = a.write
+                key = (p, w.request_id, w.attempt, w.decode_rank)
+                assert key not in self.arms, "armed twice"
+                assert w.attempt == self.delivered_attempt.get((p, w.request_id), -1), "armed an old attempt"
+                self.arms[key] = w
+            elif isinstance(a, Disarm):
+                key = (p, a.request_id, a.attempt, a.decode_rank)
+                assert key in self.arms, "Disarm of nothing armed (or twice)"
+                del self.arms[key]
             if isinstance(a, StartWrite):
+                key = (p, a.request_id, a.attempt, a.decode_rank)
+                if self.arms.get(key) is a:
+                    del self.arms[key]
+                    self.armed_posts += 1
                 newest = self.delivered_attempt.get((p, a.request_id), -1)
                 assert a.attempt == newest, "WRITE for an attempt older than one this rank already got"
                 assert self.released[(p, a.src_blocks)] == 0, "WRITE from released blocks"
@@ -144,9 +163,18 @@ class World:
                     self.created[(d, rid, a.message.attempt)] = self.now
             self.receiver_actions(d, acts)
 
+    def source_blocks(self, rid: str) -> None:
+        if rid not in self.planned:
+            self.planned[rid] = tuple(range(self.next_block, self.next_block + 5))
+            self.next_block += 5
+        for p, s in enumerate(self.senders):
+            self.sender_actions(p, s.on_source_blocks(rid, self.planned[rid], 40, self.now))
+
     def prefill_done(self, rid: str) -> None:
-        blocks = tuple(range(self.next_block, self.next_block + 5))
-        self.next_block += 5
+        blocks = self.planned.pop(rid, None)
+        if blocks is None or self.rng.random() < 0.2:  # sometimes other blocks than source_blocks named
+            blocks = tuple(range(self.next_block, self.next_block + 5))
+            self.next_block += 5
         for p, s in enumerate(self.senders):
             self.given_blocks[p].append(blocks)
             self.sender_actions(p, s.on_prefill_done(rid, blocks, 40, self.now))
@@ -278,6 +306,8 @@ OPS = [
     "tick",
     "reexpect",
     "stall",
+    "source",
+    "source",
 ]
 
 
@@ -313,6 +343,8 @@ def test_random_schedules_keep_every_invariant(setup, n_req, ops, rng, slow):
             w.prefill_done(rid)
         elif op == "prefill" and rng.random() < 0.3:
             w.prefill_done(rid)  # duplicate prefill_done: its blocks must come back at once
+        elif op == "source" and rid not in prefilled:
+            w.source_blocks(rid)
         elif op == "deliver":
             w.deliver()
         elif op in ("write_ok", "write_fail"):
@@ -353,6 +385,7 @@ def test_random_schedules_keep_every_invariant(setup, n_req, ops, rng, slow):
     for d, r in enumerate(w.receivers):
         assert len(r) == 0, f"decode rank {d} still waits"
     assert w.write_after_free == 0
+    assert not w.arms, f"WRITEs made ahead never posted nor dropped: {list(w.arms)}"
 
 
 def test_a_thousand_requests_with_slow_writes_and_stalls_never_write_after_free():

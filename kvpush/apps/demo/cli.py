@@ -98,6 +98,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill sends no Posted nudge after posting (config posted_nudge=False)",
     )
+    p.add_argument(
+        "--no-source-blocks",
+        dest="source_blocks",
+        action="store_false",
+        help="prefill does not name each prompt's source blocks before prefill_done (no armed WRITEs)",
+    )
     p.add_argument("--output-json", dest="json_path", metavar="PATH", help="write the result summary here")
     alias(p, "--json", "json_path", metavar="PATH")
     stream.configure(p)
@@ -201,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         d_conn.send(("connect", address))
         peers.expect_reply(d_conn, "connected")
         ref = _raw_handshake(peers) if args.references else None
-        _drive(peers, reqs, address, args.window, console, ref)
+        _drive(peers, reqs, address, args.window, console, ref, args.source_blocks)
         p_conn.send(("stats",))
         d_conn.send(("stats",))
         p_stats = peers.expect_reply(p_conn, "stats")
@@ -260,6 +266,7 @@ def _drive(
     window: int,
     console: Console,
     ref: tuple[str, Any] | None,
+    source_blocks: bool = True,
 ) -> None:
     """Run the requests in waves of `window`.
 
@@ -279,7 +286,7 @@ def _drive(
         for start in range(0, len(reqs), window):
             wave = reqs[start : start + window]
             for r in wave:
-                peers.p.send(("prepare", r.rid, r.n, r.tag))
+                peers.p.send(("prepare", r.rid, r.n, r.tag, source_blocks))
             for _ in wave:
                 _, rid, blocks = peers.expect_reply(peers.p, "prepared")
                 next(x for x in wave if x.rid == rid).p_blocks = blocks
@@ -378,6 +385,13 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
         },
         "timeline_p50_us": timeline_us((r.timeline, r.ready_at if r.ok else 0.0) for r in reqs),
         "timeline_p50_us_small": timeline_us((r.timeline, r.ready_at if r.ok else 0.0) for r in small),
+        # the small requests whose WRITE was made ahead (source_blocks, then registration, then
+        # prefill_done): prefill_done only posted it
+        "timeline_p50_us_small_armed": timeline_us(
+            (r.timeline, r.ready_at if r.ok else 0.0) for r in small if r.timeline and "armed" in r.timeline
+        ),
+        "source_blocks": args.source_blocks,
+        "armed": pst.get("armed", 0),
         "event_orders": {
             "registration_first": pst["registration_first"],
             "prefill_first": pst["prefill_first"],

@@ -306,8 +306,11 @@ def prefill_main(
                 cmd = conn.recv()
                 kind = cmd[0]
                 if kind == "prepare":  # the "compute": allocate and write this request's KV
-                    _, rid, n, tag = cmd
+                    _, rid, n, tag, *source = cmd
                     blocks = alloc.allocate(blocks_for(n, geo.block_size))
+                    if source and source[0]:  # named as the compute starts: a WRITE may be made ahead
+                        for ep in eps:
+                            ep.source_blocks(rid, blocks, n)
                     for c in caches:
                         host = c.to_host()
                         fill(host, c.layout, blocks, n, tag)

@@ -1,0 +1,74 @@
+"""WRITEs made ahead of prefill_done (the sender machine's `Arm`, protocol/sender_arm.py): planned, sealed
+and made on the push thread while the engine still computes, kept here unposted. prefill_done's StartWrite
+takes one by identity and the scheduler only posts it; a `Disarm`, the request's release or closing
+releases it. Each handle leaves this store exactly once: taken (the scheduler then owns it) or released.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..protocol.handshake import Session
+from ..protocol.plan import TransferPlan
+from ..protocol.prepared import IndexPlan
+from ..protocol.sender import StartWrite
+from ..transport.base import Transport
+from .posting import MadeWrite, discard
+
+log = logging.getLogger("kvpush")
+
+Key = tuple[str, int, int]  # (request id, attempt, decode rank)
+
+
+@dataclass(frozen=True, eq=False)
+class ArmedWrite:
+    act: StartWrite  # the machine's StartWrite, returned again (the same object) by prefill_done
+    plan: TransferPlan | IndexPlan
+    spec: MadeWrite
+    session: Session  # the session its notification was sealed for: a new one means a new peer
+    seq: int  # notifications sealed on that session before this one (the decode's replay window)
+    at: float  # when it was made (monotonic)
+
+
+class ArmedStore:
+    """Made, unposted WRITEs by (request, attempt, decode rank); the push thread's alone."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._made: dict[Key, ArmedWrite] = {}
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._made
+
+    def put(self, key: Key, w: ArmedWrite) -> None:
+        self.drop(key)  # the machine arms a rank once; a second one replaces (and releases) the first
+        self._made[key] = w
+
+    def take(self, act: StartWrite) -> ArmedWrite | None:
+        """The WRITE made for exactly this StartWrite (the machine returned the armed one), else None:
+        a StartWrite built anew goes the general path and leaves the store to its Disarm."""
+        key = (act.request_id, act.attempt, act.decode_rank)
+        w = self._made.get(key)
+        if w is None or w.act is not act:
+            return None
+        del self._made[key]
+        return w
+
+    def drop(self, key: Key) -> None:
+        w = self._made.pop(key, None)
+        if w is not None:
+            discard(self.transport, w.spec)
+
+    def drop_request(self, request_id: str) -> None:
+        """The request is finished: anything still made for it is released (a Disarm normally came)."""
+        for key in [k for k in self._made if k[0] == request_id]:
+            self.drop(key)
+
+    def close(self) -> None:
+        """Before the transport closes: release every handle still made."""
+        for key in list(self._made):
+            self.drop(key)
