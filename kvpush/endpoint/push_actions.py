@@ -33,7 +33,8 @@ from ..protocol.wire import Registration
 from ..transport.base import Transport
 from .armed import ArmedStore, ArmedWrite
 from .posting import MadeWrite, discard, write_spec
-from .prefill_conns import DecodeConnections, DecodePeer, Prepared
+from .prefill_bindings import DecodePeer, Prepared
+from .prefill_conns import DecodeConnections
 from .stats import Count, Ledger
 from .writes import Settled, WriteScheduler, failure_of
 
