@@ -216,6 +216,15 @@ class Posting(_Group, frozen=True):
             "notifications at busy_poll_s until that WRITE lands."
         ),
     ] = True
+    engine_post_max_bytes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="prefill_done of a request whose WRITEs were all made ahead (source_blocks), "
+            "of at most this many bytes, with no kv_written barrier, posts them from the engine's own "
+            "thread when the push thread is between rounds (no thread hop); 0: always hand over.",
+        ),
+    ] = 1 << 20
 
     def __post_init__(self) -> None:
         if not (0 <= self.workers <= 64):

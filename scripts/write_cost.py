@@ -54,6 +54,7 @@ KEYS = (
     "make",
     "copy",
     "trigger_to_posted",
+    "prefill_done_call",
 )
 
 
@@ -93,6 +94,8 @@ def row(res: dict[str, Any]) -> dict[str, float]:
     got = {k: float(v) for k, v in tl.get("stages", {}).items()}
     got["kvpush_per_write"] = float(tl.get("kvpush_per_write", tl["trigger_to_made"]))
     got["trigger_to_posted"] = float(tl["trigger_to_posted"])
+    if "prefill_done_call_us_small" in res:  # the engine thread's time inside prefill_done
+        got["prefill_done_call"] = float(res["prefill_done_call_us_small"]["p50"])
     armed = res.get("timeline_p50_us_small_armed")
     if armed and armed.get("requests"):
         got["armed_per_write"] = float(armed["kvpush_per_write"])

@@ -44,6 +44,10 @@ class ArmedStore:
     def __contains__(self, key: Key) -> bool:
         return key in self._made
 
+    def bytes_for(self, request_id: str) -> int:
+        """The bytes of the WRITEs made ahead for request_id (0: none)."""
+        return sum(w.plan.nbytes for k, w in self._made.items() if k[0] == request_id)
+
     def put(self, key: Key, w: ArmedWrite) -> None:
         self.drop(key)  # the machine arms a rank once; a second one replaces (and releases) the first
         self._made[key] = w

@@ -44,6 +44,9 @@ class HeldCalls:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held  # one dict read: safe from any thread
+
     def hold(self, request_id: str, call: ReadyCall, now: float) -> None:
         """Keep `call`; EndpointClosed once the push thread has taken everything over for good."""
         with self._lock:

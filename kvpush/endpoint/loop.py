@@ -8,6 +8,11 @@ the doorbell and the side channel for up to `idle_poll_s`, so an idle endpoint c
 `spin_s` it first keeps the busy cadence that long after its last activity (a request's second event often
 follows its first closely, and a thread woken from a block starts slow).
 
+The thread holds `work` (a lock) for each round and lets go of it only to wait. `run_inline` lets an
+engine call run its command on the engine's own thread instead, when it can take that lock without
+waiting (the thread is between rounds and nothing is queued): the thread hop, the largest part of a small
+request's cost, is then skipped; otherwise the command is queued as usual. The engine never waits here.
+
 Death is sticky: if the thread's loop raises, `fatal` holds the exception, the subclass's teardown still
 runs (it fails what is live), and every later engine-facing call raises EndpointClosed from it.
 """
@@ -80,6 +85,10 @@ class TransferThread:
         self.closed = False
         self._doorbell_closed = False
         self._rang = False  # the doorbell woke the thread and is emptied at the end of this round
+        # held by the thread for each round (commands, step, teardown); released only to wait. An engine
+        # call may take it without waiting and run its command itself (run_inline).
+        self.work = threading.Lock()
+        self._looping = False  # the loop runs: inline commands are allowed (set and cleared under work)
 
     # lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +129,27 @@ class TransferThread:
         self.alive_or_raise()
         self.commands.put(fn)
         self.doorbell.ring()
+
+    def run_inline(self, fn: Callable[[], None], allowed: Callable[[], bool]) -> bool:
+        """Run fn on the calling thread if the transfer thread is between rounds (its lock is free at once),
+        nothing is queued before it and allowed() (checked under the lock) says so; else do nothing.
+        True: fn ran (or raised: the endpoint then dies as if its thread had, and the thread is stopped).
+        The thread is rung afterwards: whatever fn posted, it polls to completion."""
+        if self.fatal is not None or self.closed or not self.work.acquire(blocking=False):
+            return False
+        try:
+            if not (self._looping and self.commands.empty() and allowed()):
+                return False
+            try:
+                fn()
+            except BaseException as exc:
+                self.fatal = exc
+                self._stop.set()
+                log.exception("kvpush thread %s died (a command run on the engine's thread)", self.name)
+        finally:
+            self.work.release()
+        self.doorbell.ring()
+        return True
 
     def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run fn on the transfer thread and wait for its result (start-up and tests only)."""
@@ -189,10 +219,12 @@ class TransferThread:
             self.fatal = exc
             log.exception("kvpush thread %s died", self.name)
         finally:
-            try:
-                self.teardown()
-            except Exception:
-                log.exception("kvpush thread %s: teardown failed", self.name)
+            with self.work:
+                self._looping = False
+                try:
+                    self.teardown()
+                except Exception:
+                    log.exception("kvpush thread %s: teardown failed", self.name)
             self.wound_down()
 
     def _loop(self) -> None:
@@ -201,27 +233,34 @@ class TransferThread:
         nap = fast
         active = 0.0  # when a command or a round last did something (the spin window counts from here)
         commands = self.commands
+        work = self.work
+        with work:
+            self._looping = True
         while not self._stop.is_set():
-            # asked with empty() (C) rather than a raised queue.Empty: one consumer, so nothing takes a
-            # command between the two calls, and an idle round builds no exception
-            while not commands.empty():
-                commands.get_nowait()()
-                nap = fast
-                active = time.monotonic()
-            now = time.monotonic()
-            if self.step(now):
-                nap = fast
-                active = now
-                continue
-            if self._rang:
-                # empty the doorbell only now, after the work it announced (its read is a system call
-                # that may hand the GIL to the engine's thread before that work starts), then look for
-                # commands again before any wait: a ring after this read wakes the next wait, and a
-                # command whose ring this read took is found by that second look
-                self._rang = False
-                self.doorbell.clear()
-                continue
-            if self.busy():
+            with work:
+                # asked with empty() (C) rather than a raised queue.Empty: one consumer, so nothing takes
+                # a command between the two calls, and an idle round builds no exception
+                while not commands.empty():
+                    commands.get_nowait()()
+                    nap = fast
+                    active = time.monotonic()
+                now = time.monotonic()
+                if self.step(now):
+                    nap = fast
+                    active = now
+                    continue
+                if self._rang:
+                    # empty the doorbell only now, after the work it announced (its read is a system
+                    # call that may hand the GIL to the engine's thread before that work starts), then
+                    # look for commands again before any wait: a ring after this read wakes the next
+                    # wait, and a command whose ring this read took is found by that second look
+                    self._rang = False
+                    self.doorbell.clear()
+                    continue
+                busy = self.busy()
+                wait_ms = 0 if busy else self.idle_wait_ms()
+            # the lock is free while the thread waits: an engine call may run its command meanwhile
+            if busy:
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
                 # so that a doorbell (new work) or a side-channel message cuts the nap short
                 if nap >= 1e-3:
@@ -230,11 +269,12 @@ class TransferThread:
                     time.sleep(nap)
                 # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
                 # when we poll); back off only while nothing of ours is on the wire
-                nap = fast if self.in_flight() else min(nap * 2, slowest)
+                with work:
+                    nap = fast if self.in_flight() else min(nap * 2, slowest)
             elif spin and now - active < spin:
                 time.sleep(fast)  # the spin window: the next command or message is picked up warm
             else:
-                self._wait(self.idle_wait_ms())
+                self._wait(wait_ms)
                 nap = fast
 
     def _wait(self, timeout_ms: int) -> None:

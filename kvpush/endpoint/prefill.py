@@ -326,7 +326,15 @@ class PushThread(PushActions, EndpointThread[SendResult]):
         )
         self.put_result(result)
 
-    # ---- commands (run on this thread) --------------------------------------------------------
+    def inline_ok(self, request_id: str) -> bool:
+        """prefill_done may run on the engine's thread (loop.run_inline): only to post WRITEs made ahead
+        and small (engine_post_max_bytes), with nothing waiting for the post budget and no staging."""
+        armed = self.armed.bytes_for(request_id)
+        return 0 < armed <= self.config.posting.engine_post_max_bytes and not (
+            self.hooks or self.scheduler.queues or request_id in self.early or request_id in self.kv_written
+        )
+
+    # ---- commands (run on this thread; prefill_done may run on the engine's, run_inline) ------
     def cmd_prefill_done(
         self,
         request_id: str,
@@ -420,11 +428,14 @@ class PrefillEndpoint(Endpoint[SendResult]):
         else:
             blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
         self._streaming.discard(request_id)
-        self._push.submit(
-            lambda: self._push.cmd_prefill_done(
-                request_id, blocks, num_tokens, at, kv_written, decode_engine_id
-            )
-        )
+        push = self._push
+
+        def command() -> None:
+            push.cmd_prefill_done(request_id, blocks, num_tokens, at, kv_written, decode_engine_id)
+
+        if kv_written is None and push.run_inline(command, lambda: push.inline_ok(request_id)):
+            return  # posted from this thread: the WRITE was made ahead (source_blocks) and is small
+        push.submit(command)
 
     def source_blocks(
         self,

@@ -178,6 +178,14 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Before every forward pass (all vLLM versions; start_load_kv may come after it): the prefill
+        names the prompts this step completes, so their WRITEs are made while the model runs."""
+        super().bind_connector_metadata(connector_metadata)
+        worker = self._worker
+        if isinstance(worker, PrefillWorker) and isinstance(connector_metadata, KVPushConnectorMetadata):
+            worker.name_sources(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
         if isinstance(meta, KVPushConnectorMetadata):

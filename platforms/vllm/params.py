@@ -118,6 +118,7 @@ _OWN_KEYS = (
     "idle_wait_ms",
     "stream",
     "stream_layers",
+    "arm_writes",
     "pairing_port",
     "pairing_host",
     "kv_cache_layout",
@@ -202,6 +203,10 @@ class ConnectorSettings:
     # written them (save_kv_layer), so a chunk's first layers move while its last ones compute. 0 = off;
     # > 0 implies stream.
     stream_layers: int = 0
+    # Prefill: name each prompt's blocks to kvpush before the forward pass that completes it
+    # (PrefillEndpoint.source_blocks from bind_connector_metadata), so a registered decode's WRITE is made
+    # while the model runs and the hand-off after it only posts. On by default.
+    arm_writes: bool = True
 
     @property
     def is_producer(self) -> bool:
@@ -269,6 +274,7 @@ class ConnectorSettings:
             pairing_host=pairing_host,
             stream=_flag(own.get("stream", False), "stream") or stream_layers > 0,
             stream_layers=stream_layers,
+            arm_writes=_flag(own.get("arm_writes", True), "arm_writes"),
         )
 
 

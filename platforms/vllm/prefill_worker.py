@@ -52,6 +52,7 @@ class PrefillWorker(WorkerBase):
         self.by_req: dict[str, _Push] = {}
         self.by_key: dict[str, _Push] = {}
         self.handoffs = 0
+        self.named = 0  # prompts named before their forward pass (source_blocks)
         self.sent_ok = 0
         self.sent_failed = 0
         self.send_bytes = 0
@@ -85,6 +86,28 @@ class PrefillWorker(WorkerBase):
     def start_step(self, meta: KVPushConnectorMetadata) -> None:
         if self.endpoint is not None:
             self.bind_waker(meta.wake_path, self.endpoint)
+
+    def name_sources(self, meta: KVPushConnectorMetadata) -> None:
+        """Before the forward pass: the prompts this step completes (meta.send) are named to the endpoint
+        with the blocks end_step will hand over (source_blocks), so a registered decode's WRITE is planned
+        and made while the model computes; prefill_done then only posts it. A table kvpush refuses is left
+        to prefill_done, which says why."""
+        if not self.settings.arm_writes or self.endpoint is None or self.cache is None or not meta.send:
+            return
+        skip = {key for _rid, key in meta.abort_send}
+        for it in meta.send:
+            if it.key in skip or it.key in self.by_key:
+                continue
+            try:
+                self.endpoint.source_blocks(
+                    it.key,
+                    expand_group_ids(it.block_ids, self.cache.ratio),
+                    it.num_tokens,
+                    decode_engine_id=it.decode_engine_id,
+                )
+            except LayoutError:
+                continue
+            self.named += 1
 
     def _begin_layers(self, meta: KVPushConnectorMetadata) -> None:
         """The first save_kv_layer of a step: which prompts its layer groups report. (Here, not in
@@ -245,6 +268,7 @@ class PrefillWorker(WorkerBase):
     def counters(self) -> dict[str, Any]:
         return {
             "handoffs": self.handoffs,
+            "named": self.named,
             "sent_ok": self.sent_ok,
             "sent_failed": self.sent_failed,
             "send_bytes": self.send_bytes,

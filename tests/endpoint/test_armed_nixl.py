@@ -45,7 +45,8 @@ class Pair:
 
 
 @pytest.fixture
-def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+def pair(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A prefill and a decode endpoint over NIXL; `request.param` (indirect): extra prefill config."""
     made: list[object] = []
     released: Counter[int] = Counter()
     real_make, real_release = NixlTransport.make_write, NixlTransport.release
@@ -66,7 +67,10 @@ def pair(monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     dg = Geometry(block_size=32, num_blocks=64, tp_size=1, **common)
     pc, dc = make_cache(pg.layout(0), "cpu"), make_cache(dg.layout(0), "cpu")
     port = free_port_range(1)
-    pcfg = KVPushConfig.from_mapping(dict(engine_id="P", port=port, lease_s=3.0, ready_timeout_s=30.0))
+    extra = getattr(request, "param", {})
+    pcfg = KVPushConfig.from_mapping(
+        dict(engine_id="P", port=port, lease_s=3.0, ready_timeout_s=30.0, **extra)
+    )
     dcfg = KVPushConfig.from_mapping(dict(engine_id="D", port=0, lease_s=3.0, ready_timeout_s=30.0))
     pe, de = PrefillEndpoint(pcfg, pc.layout), DecodeEndpoint(dcfg, dc.layout)
     pe.start()

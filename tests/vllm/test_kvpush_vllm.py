@@ -110,6 +110,9 @@ def test_decode_received_kv_and_did_not_recompute_the_prompt(pd, model: str) -> 
     assert d["recv_ok"] >= 4 and d["recv_bytes"] > 0 and d["endpoint"]["bytes"] > 0
     assert p["send_bytes"] == d["recv_bytes"]
     assert d["recv_failed"] == 0 and p["sent_failed"] == 0
+    # arm_writes (default): every prompt was named before the forward pass that completed it
+    assert p["named"] >= len(prompts), p
+    print("prefill named", p["named"], "armed posts", p["endpoint"].get("armed"))
 
 
 def _direct(

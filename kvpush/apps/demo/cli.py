@@ -99,6 +99,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="prefill sends no Posted nudge after posting (config posted_nudge=False)",
     )
     p.add_argument(
+        "--no-engine-post",
+        dest="engine_post",
+        action="store_false",
+        help="prefill_done always hands WRITEs made ahead to the push thread (config engine_post_max_bytes=0)",
+    )
+    p.add_argument(
         "--no-source-blocks",
         dest="source_blocks",
         action="store_false",
@@ -129,6 +135,7 @@ class _Req:
     ref_s: dict[str, float] | None = None  # reference kind -> post to notification, seconds
     ref_bytes: int = 0
     ref_descs: int = 0
+    call_s: float = 0.0  # the engine's time inside prefill_done (its own thread)
 
 
 class _Peers:
@@ -229,6 +236,8 @@ def _prefill_extra(args: argparse.Namespace) -> dict[str, Any]:
         extra["post_workers"] = args.post_workers
     if args.spin_us is not None:
         extra["spin_s"] = args.spin_us * 1e-6
+    if not args.engine_post:
+        extra["engine_post_max_bytes"] = 0
     return extra
 
 
@@ -296,10 +305,10 @@ def _drive(
                     _, _, r.expect_at, r.d_blocks = peers.expect_reply(peers.d, "expected")
                     time.sleep(0.002)  # let the registration reach prefill before prefill_done
                     peers.p.send(("prefill_done", r.rid))
-                    r.prefill_at = peers.expect_reply(peers.p, "prefilled")[2]
+                    _, _, r.prefill_at, r.call_s = peers.expect_reply(peers.p, "prefilled")
                 else:
                     peers.p.send(("prefill_done", r.rid))
-                    r.prefill_at = peers.expect_reply(peers.p, "prefilled")[2]
+                    _, _, r.prefill_at, r.call_s = peers.expect_reply(peers.p, "prefilled")
                     peers.d.send(("expect", r.rid, r.n, r.tag, address))
                     _, _, r.expect_at, r.d_blocks = peers.expect_reply(peers.d, "expected")
             for _ in wave:
@@ -391,6 +400,11 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
             (r.timeline, r.ready_at if r.ok else 0.0) for r in small if r.timeline and "armed" in r.timeline
         ),
         "source_blocks": args.source_blocks,
+        # what the engine's thread spent inside prefill_done, small requests (an inline post runs there)
+        "prefill_done_call_us_small": {
+            "p50": round(1e6 * statistics.median([r.call_s for r in small]), 1) if small else 0.0,
+            "p99": round(1e6 * _p99([r.call_s for r in small]), 1),
+        },
         "armed": pst.get("armed", 0),
         "event_orders": {
             "registration_first": pst["registration_first"],

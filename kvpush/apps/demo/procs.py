@@ -331,7 +331,8 @@ def prefill_main(
                     at = time.monotonic()
                     for ep in eps:
                         ep.prefill_done(rid, blocks, n)
-                    conn.send(("prefilled", rid, at))
+                    # the engine's own time in prefill_done (an inline post runs on this thread)
+                    conn.send(("prefilled", rid, at, time.monotonic() - at))
                 elif kind == "stats":
                     conn.send(_stats_reply(eps, alloc, geo))
                 elif kind == "raw_peer":
