@@ -433,7 +433,11 @@ class PrefillEndpoint(Endpoint[SendResult]):
         def command() -> None:
             push.cmd_prefill_done(request_id, blocks, num_tokens, at, kv_written, decode_engine_id)
 
-        if kv_written is None and push.run_inline(command, lambda: push.inline_ok(request_id)):
+        def on_engine_thread() -> None:
+            command()
+            push.ledger.add(Count.ENGINE_POSTS)  # under the thread's round lock: the ledger's one writer
+
+        if kv_written is None and push.run_inline(on_engine_thread, lambda: push.inline_ok(request_id)):
             return  # posted from this thread: the WRITE was made ahead (source_blocks) and is small
         push.submit(command)
 

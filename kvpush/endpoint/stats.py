@@ -70,6 +70,7 @@ class Count(enum.Enum):
     OWED_NOTHING = "owed_nothing"  # prefill_done on a rank that owes no decode rank KV (never `ok`)
     FAILED_EXPIRED = "failed_expired"  # requests ended by a lease or registration running out
     ARMED = "armed"  # WRITEs that posted what was made ahead of prefill_done (source_blocks)
+    ENGINE_POSTS = "engine_posts"  # prefill_done calls run on the engine's thread (loop.run_inline)
 
 
 class High(enum.Enum):
@@ -142,6 +143,9 @@ class Counters:
     # WRITEs that posted what was made ahead (source_blocks before prefill_done: planned, sealed and made
     # while the engine computed; prefill_done only posted them)
     armed: int = 0
+    # prefill_done calls that posted their armed WRITE on the engine's own thread (no thread hop; small
+    # requests while the push thread was between rounds: engine_post_max_bytes)
+    engine_posts: int = 0
 
 
 class Ledger:

@@ -57,6 +57,7 @@ def test_small_armed_request_is_posted_from_the_engine_thread(pair: Pair, poster
         landed(pair, f"r{i}", dst, 20 + i)
     assert len(posters) == 4 and engine in posters, posters
     assert pair.counters()["armed"] == 4 and pair.armed() == 0
+    assert pair.counters()["engine_posts"] == posters.count(engine)
 
 
 @pytest.mark.parametrize("pair", [{"engine_post_max_bytes": 0}, {"engine_post_max_bytes": 1}], indirect=True)
@@ -66,6 +67,7 @@ def test_off_or_too_large_goes_to_the_push_thread(pair: Pair, posters: list[str]
         pair.pe.prefill_done(f"s{i}", [3 * (i + 1), 3 * (i + 1) + 1, 3 * (i + 1) + 2], N)
         landed(pair, f"s{i}", dst, 30 + i)
     assert posters == [PushThread.name] * 3
+    assert pair.counters()["engine_posts"] == 0
 
 
 def test_a_barrier_keeps_the_post_and_the_barrier_on_the_push_thread(pair: Pair, posters: list[str]) -> None:

@@ -105,6 +105,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="prefill_done always hands WRITEs made ahead to the push thread (config engine_post_max_bytes=0)",
     )
     p.add_argument(
+        "--engine-post-max-bytes",
+        type=int,
+        default=None,
+        help="config engine_post_max_bytes: the largest armed WRITE prefill_done posts on the engine's thread "
+        "(on loopback the copy runs inside that post, so the engine's thread pays it)",
+    )
+    p.add_argument(
         "--no-source-blocks",
         dest="source_blocks",
         action="store_false",
@@ -236,6 +243,8 @@ def _prefill_extra(args: argparse.Namespace) -> dict[str, Any]:
         extra["post_workers"] = args.post_workers
     if args.spin_us is not None:
         extra["spin_s"] = args.spin_us * 1e-6
+    if args.engine_post_max_bytes is not None:
+        extra["engine_post_max_bytes"] = args.engine_post_max_bytes
     if not args.engine_post:
         extra["engine_post_max_bytes"] = 0
     return extra
@@ -406,6 +415,7 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
             "p99": round(1e6 * _p99([r.call_s for r in small]), 1),
         },
         "armed": pst.get("armed", 0),
+        "engine_posts": pst.get("engine_posts", 0),  # armed WRITEs posted on the engine's thread
         "event_orders": {
             "registration_first": pst["registration_first"],
             "prefill_first": pst["prefill_first"],
