@@ -32,47 +32,58 @@ class ArmedWrite:
 
 
 class ArmedStore:
-    """Made, unposted WRITEs by (request, attempt, decode rank); the push thread's alone."""
+    """Made, unposted WRITEs by request, then (attempt, decode rank); the push thread's alone (an engine
+    call reads it only under the thread's round lock: loop.run_inline)."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self._made: dict[Key, ArmedWrite] = {}
+        # request id -> (attempt, decode rank) -> its WRITE: a request's own entries without a scan
+        self._made: dict[str, dict[tuple[int, int], ArmedWrite]] = {}
 
     def __len__(self) -> int:
-        return len(self._made)
+        return sum(len(ranks) for ranks in self._made.values())
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._made
+        return key[1:] in self._made.get(key[0], {})
 
     def bytes_for(self, request_id: str) -> int:
         """The bytes of the WRITEs made ahead for request_id (0: none)."""
-        return sum(w.plan.nbytes for k, w in self._made.items() if k[0] == request_id)
+        return sum(w.plan.nbytes for w in self._made.get(request_id, {}).values())
 
     def put(self, key: Key, w: ArmedWrite) -> None:
         self.drop(key)  # the machine arms a rank once; a second one replaces (and releases) the first
-        self._made[key] = w
+        self._made.setdefault(key[0], {})[key[1:]] = w
 
     def take(self, act: StartWrite) -> ArmedWrite | None:
         """The WRITE made for exactly this StartWrite (the machine returned the armed one), else None:
         a StartWrite built anew goes the general path and leaves the store to its Disarm."""
-        key = (act.request_id, act.attempt, act.decode_rank)
-        w = self._made.get(key)
+        ranks = self._made.get(act.request_id)
+        w = None if ranks is None else ranks.get((act.attempt, act.decode_rank))
         if w is None or w.act is not act:
             return None
-        del self._made[key]
+        self._remove(act.request_id, (act.attempt, act.decode_rank))
         return w
 
     def drop(self, key: Key) -> None:
-        w = self._made.pop(key, None)
+        w = self._remove(key[0], key[1:])
         if w is not None:
             discard(self.transport, w.spec)
 
     def drop_request(self, request_id: str) -> None:
         """The request is finished: anything still made for it is released (a Disarm normally came)."""
-        for key in [k for k in self._made if k[0] == request_id]:
-            self.drop(key)
+        for w in self._made.pop(request_id, {}).values():
+            discard(self.transport, w.spec)
 
     def close(self) -> None:
         """Before the transport closes: release every handle still made."""
-        for key in list(self._made):
-            self.drop(key)
+        for request_id in list(self._made):
+            self.drop_request(request_id)
+
+    def _remove(self, request_id: str, rank_key: tuple[int, int]) -> ArmedWrite | None:
+        ranks = self._made.get(request_id)
+        if ranks is None:
+            return None
+        w = ranks.pop(rank_key, None)
+        if not ranks:
+            del self._made[request_id]
+        return w

@@ -100,9 +100,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-engine-post",
-        dest="engine_post",
-        action="store_false",
-        help="prefill_done always hands WRITEs made ahead to the push thread (config engine_post_max_bytes=0)",
+        dest="engine_post_max_bytes",
+        action="store_const",
+        const=0,
+        help="prefill_done always hands WRITEs made ahead to the push thread (--engine-post-max-bytes 0)",
     )
     p.add_argument(
         "--engine-post-max-bytes",
@@ -245,8 +246,6 @@ def _prefill_extra(args: argparse.Namespace) -> dict[str, Any]:
         extra["spin_s"] = args.spin_us * 1e-6
     if args.engine_post_max_bytes is not None:
         extra["engine_post_max_bytes"] = args.engine_post_max_bytes
-    if not args.engine_post:
-        extra["engine_post_max_bytes"] = 0
     return extra
 
 
