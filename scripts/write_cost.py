@@ -10,6 +10,7 @@ writes everything to --json.
 
     python scripts/write_cost.py --base 4d7336b --rounds 3 --json out/write_cost.json
 
+`--base none` runs this checkout alone (a machine without git history, e.g. the GPU box's copy).
 `--variant name=--flag` (repeatable; several flags: `name="--a --b"`) adds a column: this checkout again
 with those extra demo flags, e.g. `--variant no_arm=--no-source-blocks` beside the armed default.
 `armed_per_write` is kvpush_per_write over the small requests whose WRITE was made ahead (source_blocks).
@@ -74,8 +75,7 @@ def export(commit: str, into: Path) -> Path:
 
 def run_demo(pythonpath: str | None, out: Path, extra: list[str]) -> dict[str, Any]:
     env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
-    env.pop("PYTHONPATH", None)
-    if pythonpath:
+    if pythonpath:  # the base tree; this checkout runs with the caller's own environment
         env["PYTHONPATH"] = pythonpath
     cmd = [sys.executable, "-m", "kvpush.cli", "demo", *DEMO, *extra, "--json", str(out)]
     proc = subprocess.run(
@@ -111,7 +111,11 @@ def variant(text: str) -> tuple[str, list[str]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="4d7336b", help="the 'before' commit (default: timeline marks only)")
+    ap.add_argument(
+        "--base",
+        default="4d7336b",
+        help="the 'before' commit (default: timeline marks only); 'none': this checkout's columns only",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", dest="json_path", default="")
     ap.add_argument(
@@ -124,11 +128,12 @@ def main() -> int:
     )
     ap.add_argument("demo_args", nargs="*", help="extra `kvpush demo` flags (after --)")
     args = ap.parse_args()
-    trees: list[tuple[str, str | None, list[str]]] = [("before", "", []), ("after", None, [])]
+    trees: list[tuple[str, str | None, list[str]]] = [("before", "", [])] if args.base != "none" else []
+    trees += [("after", None, [])]
     trees += [(name, None, flags) for name, flags in args.variant]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _, _ in trees}
     with tempfile.TemporaryDirectory(prefix="kvpush-write-cost-") as tmp:
-        base = export(args.base, Path(tmp) / "base")
+        base = export(args.base, Path(tmp) / "base") if args.base != "none" else Path(tmp)
         for i in range(args.rounds):
             for name, path, flags in trees:
                 where = str(base) if path == "" else path
@@ -144,9 +149,11 @@ def main() -> int:
         for name, rs in runs.items()
     }
     head = f"{'p50 us (median of ' + str(args.rounds) + ' runs)':<34}"
-    print(head + "".join(f"{name:>10}" for name in runs))
+    width = {name: max(10, len(name) + 2) for name in runs}
+    print(head + "".join(f"{name:>{width[name]}}" for name in runs))
     for k in KEYS:
-        print(f"{k:<34}" + "".join(f"{table[name].get(k, float('nan')):>10.1f}" for name in runs))
+        cells = (f"{table[name].get(k, float('nan')):>{width[name]}.1f}" for name in runs)
+        print(f"{k:<34}" + "".join(cells))
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(

@@ -31,7 +31,19 @@ GEOMETRY = dict(num_layers=4, block_size=16, num_blocks=64, total_kv_heads=2, he
 S_BLOCKS = [3, 4, 5, 9, 10, 20, 21, 40]
 D_BLOCKS = [7, 2, 3, 11, 12, 13, 30, 31]
 TOKENS = len(S_BLOCKS) * GEOMETRY["block_size"]
-SLEEP_CYCLES = 4_000_000_000  # ~2 s at H200 clocks; the test checks it is still running at hand-off
+SLEEP_S = 2.0  # the slow kernel's length, sized from a measured clock rate; checked still running at hand-off
+
+
+def _sleep_cycles_per_s(torch: Any) -> float:
+    """torch.cuda._sleep cycles per second here (a 100M-cycle kernel timed by CUDA events): the SM clock
+    differs between idle and loaded cards, so a fixed cycle count is not a fixed time."""
+    torch.cuda._sleep(1_000_000)  # warm the kernel up
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(100_000_000)
+    b.record()
+    b.synchronize()
+    return 100_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
 
 
 def _peer_module() -> Any:
@@ -85,29 +97,39 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
         host, port = pe.address
         args = dict(mode=mode, engine_id="gpu-prefill", host=host, port=port, geometry=GEOMETRY,
                     s_blocks=S_BLOCKS, d_blocks=D_BLOCKS, tokens=TOKENS)  # fmt: skip
-        peer = subprocess.Popen(
-            [sys.executable, str(PEER), json.dumps(args)],
-            stdout=subprocess.PIPE, stderr=peer_log.open("w"), text=True, env=dict(os.environ),
-        )  # fmt: skip
+        with peer_log.open("w") as err:  # the child keeps its own handle
+            peer = subprocess.Popen(
+                [sys.executable, str(PEER), json.dumps(args)],
+                stdout=subprocess.PIPE, stderr=err, text=True, env=dict(os.environ),
+            )  # fmt: skip
         assert peer.stdout is not None
         line = peer.stdout.readline()
         assert line.strip() == "EXPECTING", line + _tail(peer_log)
         time.sleep(1.0)  # let the registration reach the prefill: the WRITE may then start at hand-off
 
+        rate = _sleep_cycles_per_s(torch)
         stream = torch.cuda.Stream()
+        t_queued = time.monotonic()
+        stamps: dict[str, float] = {}  # when each engine-thread call returned, after queueing the sleep
         with torch.cuda.stream(stream):
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(int(rate * SLEEP_S))
+            stamps["sleep"] = time.monotonic() - t_queued
             src.tensor.index_copy_(0, idx, pat)  # the "KV" lands only after the sleep
+            stamps["index_copy_"] = time.monotonic() - t_queued
         written = torch.cuda.Event()
         written.record(stream)
+        stamps["record"] = time.monotonic() - t_queued
         barrier = cuda_event_barrier(stream=stream)
+        stamps["barrier"] = time.monotonic() - t_queued
         t0 = time.monotonic()
         pe.prefill_done("req", S_BLOCKS, TOKENS, kv_written=barrier)
         handoff_s = time.monotonic() - t0
         running_at_handoff = not written.query()
+        since_queued_s = time.monotonic() - t_queued
         while not written.query():
             time.sleep(0.0005)
         t_written = time.time()
+        kernel_s = time.monotonic() - t_queued
 
         out, _ = peer.communicate(timeout=120)
         assert peer.returncode == 0, _tail(peer_log)
@@ -123,8 +145,13 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
             peer.wait()
         pe.close()
 
-    assert running_at_handoff, "the slow kernel had finished before prefill_done: the test proves nothing"
-    assert handoff_s < 0.2, f"prefill_done waited {handoff_s:.3f} s (the engine thread must not wait)"
+    timing = (
+        f"clock {rate / 1e9:.2f} G sleep-cycles/s, kernel done {kernel_s:.3f} s after queueing, "
+        f"prefill_done took {handoff_s:.3f} s, hand-off checked {since_queued_s:.3f} s after queueing; "
+        + ", ".join(f"{k} returned at {v:.3f} s" for k, v in stamps.items())
+    )
+    assert running_at_handoff, f"the slow kernel had finished before prefill_done ({timing}): proves nothing"
+    assert handoff_s < 0.2, f"prefill_done waited ({timing}): the engine thread must not wait"
     assert result["finished"] == [{"ok": True, "reason": ""}], result
     assert sent and sent[0].ok, sent
     assert result["bad_blocks"] == 0, result  # every destination byte is the pattern, nothing else changed
