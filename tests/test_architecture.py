@@ -65,6 +65,7 @@ def test_protocol_imports_nothing_outside_protocol_and_errors_statically():
         "functools",
         "math",
         "re",
+        "types",
     }
     for path in sorted((ROOT / "kvpush" / "protocol").glob("*.py")):
         for mod in _imports(path, "kvpush.protocol"):

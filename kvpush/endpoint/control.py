@@ -103,7 +103,7 @@ def _bind_retrying(sock: zmq.Socket[Any], address: str) -> None:
 
 # pyzmq's options and flags as plain ints: combined with an int (EVENTS' answer, SNDMORE inside
 # send_multipart) an IntFlag goes through Python-level enum code, on every loop round and every message
-_OPT_EVENTS, _OPT_RCVMORE = int(zmq.EVENTS), int(zmq.RCVMORE)
+_OPT_EVENTS = int(zmq.EVENTS)
 _POLLIN, _NOBLOCK, _NOBLOCK_MORE = int(zmq.POLLIN), int(zmq.NOBLOCK), int(zmq.NOBLOCK | zmq.SNDMORE)
 
 
@@ -128,15 +128,17 @@ class _ZmqListener:
         sock = self.sock
         if not sock.getsockopt(_OPT_EVENTS) & _POLLIN:
             return None
+        # frames, not bytes: a frame says whether more parts follow (`more`) without getsockopt(RCVMORE),
+        # whose option lookup runs Python enum code per part
         try:
-            frames = [sock.recv(_NOBLOCK)]
+            frames = [sock.recv(_NOBLOCK, copy=False)]
         except zmq.Again:
             return None
-        while sock.getsockopt(_OPT_RCVMORE):  # a message's parts arrive together: the rest are here
-            frames.append(sock.recv(_NOBLOCK))
+        while frames[-1].more:  # a message's parts arrive together: the rest are here
+            frames.append(sock.recv(_NOBLOCK, copy=False))
         if len(frames) != 2:
-            return (frames[0] if frames else b""), None
-        return frames[0], frames[1]
+            return frames[0].bytes, None
+        return frames[0].bytes, frames[1].bytes
 
     def send(self, conn: bytes, data: bytes) -> None:
         try:

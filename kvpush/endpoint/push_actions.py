@@ -28,7 +28,7 @@ from ..protocol.sender import (
     SenderState,
     StartWrite,
 )
-from ..protocol.tp import receivers_for
+from ..protocol.tp import owed_heads
 from ..protocol.wire import Registration
 from ..transport.base import Transport
 from .armed import ArmedStore, ArmedWrite
@@ -208,9 +208,7 @@ class PushActions:
         if peer is None or rank is not DecodeRankState.REGISTERED:
             return
         lay = self.layout
-        heads = receivers_for(lay.tp_rank, lay.tp_size, reg.decode_tp, lay.total_kv_heads).get(
-            reg.decode_rank
-        )
+        heads = owed_heads(lay.tp_rank, lay.tp_size, reg.decode_tp, lay.total_kv_heads).get(reg.decode_rank)
         prep = None if heads is None else self.conns.prepared(peer, heads)
         try:
             half = None if prep is None else half_plan(prep.units, True, reg.tables(), reg.num_tokens)

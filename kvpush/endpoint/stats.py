@@ -157,12 +157,14 @@ class Ledger:
         self._latency = WAIT_LATENCY if role == "decode" else READY_LATENCY
         # each counter's labelled child, looked up once: labels() takes a lock and builds a key, and
         # a WRITE adds to several counters on the push thread's per-WRITE path
-        self._children = {c: m.labels(*self.labels) for c, m in _MIRROR.items()}
+        # keyed by the counter's name: an Enum member's hash and its .value are Python code, its _value_
+        # a plain attribute (the push thread adds per WRITE, often just woken with its pages cold)
+        self._children = {c.value: m.labels(*self.labels) for c, m in _MIRROR.items()}
 
     def add(self, count: Count, n: int = 1) -> None:
-        name = count.value
+        name: str = count._value_
         setattr(self.counters, name, getattr(self.counters, name) + n)
-        child = self._children.get(count)
+        child = self._children.get(name)
         if child is not None:
             child.inc(n)
 

@@ -46,7 +46,7 @@ from .sender_table import RankEvent as RankEvent
 from .sender_table import SendPhase as SendPhase
 from .sender_table import sender_transition as sender_transition
 from .table import IGNORE as IGNORE
-from .tp import owes_nothing, receivers_for, senders_for
+from .tp import owed_heads, owes_nothing, writer_ranks
 from .wire import Registration
 
 
@@ -134,7 +134,7 @@ class SenderState(Arming, RequestEnding):
                 reg.attempt,
                 reg.decode_engine_id,
                 reg.decode_tp,
-                receivers_for(self.rank, self.tp, reg.decode_tp, self.total_kv_heads),
+                owed_heads(self.rank, self.tp, reg.decode_tp, self.total_kv_heads),
             )
             entry.deadline = now + self.lease_s
         rank = entry.ranks.get(reg.decode_rank)
@@ -325,7 +325,7 @@ class SenderState(Arming, RequestEnding):
         if self.owes_nothing:
             return f"prefill rank {self.rank} owes no decode rank KV: a lower rank writes every head it holds"
         try:
-            owners = senders_for(reg.decode_rank, reg.decode_tp, self.tp, self.total_kv_heads)
+            owners = writer_ranks(reg.decode_rank, reg.decode_tp, self.tp, self.total_kv_heads)
         except ValueError as exc:
             return f"registration does not fit prefill TP {self.tp}: {exc}"
         if self.rank not in owners:

@@ -6,6 +6,8 @@ advance a request; kept apart so every way out of a request reads in one place.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .reasons import Failure
 from .sender_actions import NotifyFailure, ReleaseSource, SenderAction
@@ -131,7 +133,7 @@ class RequestEnding(RangePosting):
         return []
 
     def _new_attempt(
-        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: dict[int, HeadRange]
+        self, entry: Entry, attempt: int, engine_id: str, decode_tp: int, owed: Mapping[int, HeadRange]
     ) -> list[SenderAction]:
         """A newer attempt supersedes the current one: its WRITEs in flight stay fenced, its ranks reset
         (what was made ahead for them is dropped)."""

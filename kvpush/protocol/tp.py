@@ -10,7 +10,9 @@ Both maps cost O(heads involved), never O(TP size): the TP a peer declares in it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 from ..errors import LayoutError
 from .layout import KVLayout, heads_of_rank, span_text
@@ -63,6 +65,23 @@ def receivers_for(
             lo, _ = out.get(d, (head, head))
             out[d] = (lo, head + 1)
     return dict(sorted(out.items()))
+
+
+# The push thread asks both maps for every registration (and the sender for each handshake); they are
+# pure functions of four ints from a handshake-bounded set, so they are computed once per TP pair. A
+# cached call runs no Python: on a push thread woken cold, every function it enters costs pages.
+@functools.lru_cache(maxsize=512)
+def owed_heads(
+    prefill_rank: int, prefill_tp: int, decode_tp: int, total_kv_heads: int
+) -> Mapping[int, HeadRange]:
+    """receivers_for, computed once and read-only (a LayoutError is raised again on every call)."""
+    return MappingProxyType(receivers_for(prefill_rank, prefill_tp, decode_tp, total_kv_heads))
+
+
+@functools.lru_cache(maxsize=512)
+def writer_ranks(decode_rank: int, decode_tp: int, prefill_tp: int, total_kv_heads: int) -> frozenset[int]:
+    """The prefill ranks that write to `decode_rank` (the keys of senders_for), computed once."""
+    return frozenset(senders_for(decode_rank, decode_tp, prefill_tp, total_kv_heads))
 
 
 def check_peer_tp(peer: KVLayout, max_peer_tp: int) -> None:

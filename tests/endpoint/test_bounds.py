@@ -132,6 +132,8 @@ def test_a_registrations_work_does_not_grow_with_the_decodes_tp(monkeypatch):
 
     def lookups(decode_tp: int) -> dict[str, int]:
         s = SenderState(0, 1, 2, 60.0, 300.0)
+        tp.owed_heads.cache_clear()  # the sender's maps are computed once per TP pair: count that once
+        tp.writer_ranks.cache_clear()
         calls.clear()
         for i in range(10):
             s.on_registration(
@@ -151,7 +153,7 @@ def test_a_registrations_work_does_not_grow_with_the_decodes_tp(monkeypatch):
         return dict(calls)
 
     base = lookups(1)
-    assert base["heads_of_rank"] >= 10, base  # the counting sees the registrations' lookups
+    assert base["heads_of_rank"] >= 1, base  # the counting sees the registrations' lookups
     for decode_tp in (256, 4096):  # 256: the largest TP a Hello may declare by default
         got = lookups(decode_tp)
         assert all(got.get(k, 0) <= n for k, n in base.items()) and set(got) <= set(base), (
@@ -246,3 +248,20 @@ def test_bound_identities_have_a_global_cap():
         d2.close()
         d1.close()
         p.close()
+
+
+def test_the_cached_tp_maps_equal_the_computed_ones_and_are_read_only() -> None:
+    """owed_heads / writer_ranks (what the sender machine asks per registration) are receivers_for /
+    senders_for computed once: the same answers, unchangeable by a caller, and a split that does not
+    work is refused on every call, not only the first."""
+    for p_tp, d_tp, heads in ((1, 1, 8), (2, 1, 8), (1, 4, 8), (8, 2, 4), (4, 16, 8)):
+        for rank in range(p_tp):
+            assert dict(tp.owed_heads(rank, p_tp, d_tp, heads)) == tp.receivers_for(rank, p_tp, d_tp, heads)
+        for d in range(d_tp):
+            assert tp.writer_ranks(d, d_tp, p_tp, heads) == set(tp.senders_for(d, d_tp, p_tp, heads))
+    owed = tp.owed_heads(0, 1, 2, 8)
+    with pytest.raises(TypeError):
+        owed[5] = (0, 1)  # type: ignore[index]
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            tp.owed_heads(0, 1, 3, 8)
