@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpush.apps.blocks import BlockPool, shuffled_runs
+from kvpush.apps.demo.mirror import block_view
 from kvpush.apps.demo.pattern import copy_layer, count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
@@ -292,6 +293,7 @@ def prefill_main(
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
     caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
+    views = [block_view(c) for c in caches]  # a request's blocks to and from the host, not whole caches
     cfg = _endpoints_config("demo-prefill", port, extra)
     eps = [PrefillEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
@@ -311,10 +313,9 @@ def prefill_main(
                     if source and source[0]:  # named as the compute starts: a WRITE may be made ahead
                         for ep in eps:
                             ep.source_blocks(rid, blocks, n)
-                    for c in caches:
-                        host = c.to_host()
-                        fill(host, c.layout, blocks, n, tag)
-                        c.from_host(host)
+                    for c, view in zip(caches, views, strict=True):
+                        fill(view.pull(blocks), c.layout, blocks, n, tag)
+                        view.push(blocks)
                     live[rid] = (blocks, n, set(), [], {})
                     conn.send(("prepared", rid, blocks))
                 elif kind == "caps":  # what the streamed demo may call on this build's endpoints
@@ -375,6 +376,7 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
     caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]
+    views = [block_view(c) for c in caches]
     cfg = _endpoints_config("demo-decode", 0)
     eps = [DecodeEndpoint(cfg, c.layout, c.mem_type) for c in caches]
     for ep in eps:
@@ -404,15 +406,15 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                 elif kind == "verify":  # outside the timed part: check every byte, scrub, free
                     entry = live.pop(cmd[1])
                     wrong = -1
-                    hosts = [c.to_host() for c in caches]
+                    hosts = [view.pull(entry["blocks"]) for view in views]
                     if entry.get("ok"):
                         wrong = sum(
                             count_wrong_bytes(h, c.layout, entry["blocks"], entry["n"], entry["tag"])
                             for h, c in zip(hosts, caches, strict=True)
                         )
-                    for h, c in zip(hosts, caches, strict=True):
+                    for h, c, view in zip(hosts, caches, views, strict=True):
                         scrub(h, c.layout, entry["blocks"])
-                        c.from_host(h)
+                        view.push(entry["blocks"])
                     alloc.free(entry["blocks"])
                     conn.send(("verified", cmd[1], wrong))
                 elif kind == "raw_md":
@@ -428,10 +430,9 @@ def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp
                             break
                         time.sleep(20e-6)
                 elif kind == "scrub":  # after the references wrote into freed blocks
-                    for c in caches:
-                        h = c.to_host()
-                        scrub(h, c.layout, cmd[1])
-                        c.from_host(h)
+                    for c, view in zip(caches, views, strict=True):
+                        scrub(view.pull(cmd[1]), c.layout, cmd[1])
+                        view.push(cmd[1])
                     conn.send(("scrubbed",))
                 elif kind == "stats":
                     conn.send(_stats_reply(eps, alloc, geo))
