@@ -26,7 +26,7 @@ from ..protocol import handshake
 from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
-from ..protocol.tp import check_peer_tp, receivers_for
+from ..protocol.tp import check_peer_tp, owed_heads
 from ..protocol.wire import PLAIN, Codec, ErrorReply, Hello, Message, Ping
 from ..transport.base import PreparedList, Transport, listed_descriptors
 from .admission import Admission, Pending, SenderView
@@ -267,7 +267,7 @@ class DecodeBindings:
         c.confirmed = True
         self.bound[c.identity] = c.conn
         peer = self.peers[c.identity] = DecodePeer(c.agent, c.peer_layout)
-        owed = receivers_for(
+        owed = owed_heads(
             self.layout.tp_rank, self.layout.tp_size, c.peer_layout.tp_size, self.layout.total_kv_heads
         ).get(c.peer_layout.tp_rank)
         if owed is not None:

@@ -34,18 +34,6 @@ TOKENS = len(S_BLOCKS) * GEOMETRY["block_size"]
 SLEEP_S = 2.0  # the slow kernel's length, sized from a measured clock rate; checked still running at hand-off
 
 
-def _sleep_cycles_per_s(torch: Any) -> float:
-    """torch.cuda._sleep cycles per second here (a 100M-cycle kernel timed by CUDA events): the SM clock
-    differs between idle and loaded cards, so a fixed cycle count is not a fixed time."""
-    torch.cuda._sleep(1_000_000)  # warm the kernel up
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(100_000_000)
-    b.record()
-    b.synchronize()
-    return 100_000_000 / max(a.elapsed_time(b) * 1e-3, 1e-6)
-
-
 def _peer_module() -> Any:
     spec = importlib.util.spec_from_file_location("kvpush_gpu_decode_peer", PEER)
     assert spec and spec.loader
@@ -62,6 +50,7 @@ def _tail(path: Path) -> str:
 def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Path) -> None:
     import torch
 
+    from kvpush.apps.demo.procs import sleep_cycles_per_s
     from kvpush.backends.cuda import CudaKVCache, cuda_event_barrier
     from kvpush.backends.staging import HostStaging
     from kvpush.config import KVPushConfig
@@ -107,7 +96,7 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
         assert line.strip() == "EXPECTING", line + _tail(peer_log)
         time.sleep(1.0)  # let the registration reach the prefill: the WRITE may then start at hand-off
 
-        rate = _sleep_cycles_per_s(torch)
+        rate = sleep_cycles_per_s(0)
         stream = torch.cuda.Stream()
         t_queued = time.monotonic()
         stamps: dict[str, float] = {}  # when each engine-thread call returned, after queueing the sleep

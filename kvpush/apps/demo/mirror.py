@@ -14,7 +14,14 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from kvpush.errors import LayoutError
+from kvpush.protocol.layout import KVLayout, Plane
+
 U8 = npt.NDArray[np.uint8]
+
+
+def _planes(lay: KVLayout) -> list[Plane]:
+    return [lay.plane(layer, kv) for layer in range(lay.num_layers) for kv in range(lay.kv_per_layer)]
 
 
 class BlockView(Protocol):
@@ -49,21 +56,13 @@ class DeviceMirror:
         import torch
 
         lay = cache.layout
-        self.cache = cache
         self.block_bytes = lay.block_bytes
         tensor = cache.tensor
         self.rows = tensor.view(-1, self.block_bytes)  # row r = bytes [r * block_bytes, (r + 1) * ...)
         self.host: U8 = np.zeros(int(tensor.numel()), dtype=np.uint8)
         self.host_rows = self.host.reshape(-1, self.block_bytes)
         # each plane's first row: block b of that plane is row first + b
-        self.first = np.array(
-            [
-                lay.plane(layer, kv).offset // self.block_bytes
-                for layer in range(lay.num_layers)
-                for kv in range(lay.kv_per_layer)
-            ],
-            dtype=np.int64,
-        )
+        self.first = np.array([p.offset // self.block_bytes for p in _planes(lay)], dtype=np.int64)
         self.host_rows[:] = self.rows.cpu().numpy()  # once, at start: the device's bytes as they are
         self._torch = torch
 
@@ -72,13 +71,12 @@ class DeviceMirror:
         lay = cache.layout
         try:
             tensor = cache.tensor
-        except Exception:  # noqa: BLE001 - a cache over several regions: no single tensor
+        except LayoutError:  # a cache over several regions (engine tensors): no single tensor
             return False
-        planes = [lay.plane(layer, kv) for layer in range(lay.num_layers) for kv in range(lay.kv_per_layer)]
         return (
             lay.block_stride == lay.block_bytes
             and int(tensor.numel()) % lay.block_bytes == 0
-            and all(p.region == 0 and p.offset % lay.block_bytes == 0 for p in planes)
+            and all(p.region == 0 and p.offset % lay.block_bytes == 0 for p in _planes(lay))
         )
 
     def _index(self, blocks: list[int]) -> npt.NDArray[np.int64]:

@@ -210,12 +210,14 @@ def layered_prefill(
 _SLEEP_RATE: dict[int, float] = {}
 
 
-def _sleep_rate(dev: int) -> float:
-    """torch.cuda._sleep cycles per second on this device, measured once (a kernel of 10M cycles)."""
+def sleep_cycles_per_s(dev: int) -> float:
+    """torch.cuda._sleep cycles per second on this device, measured once (a kernel of 10M cycles after a
+    warm-up one): the SM clock differs between idle and loaded cards, so cycles are not a fixed time."""
     if dev not in _SLEEP_RATE:
         import torch
 
         with torch.cuda.device(dev):
+            torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]  # the first launch loads the kernel
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             a.record()
             torch.cuda._sleep(10_000_000)  # type: ignore[no-untyped-call]
@@ -247,7 +249,7 @@ def _cuda_layered_prefill(
         fill(host, c.layout, blocks, n, tag)
         hosts.append(torch.from_numpy(host).pin_memory())  # so each layer's copy is truly asynchronous
     dev = caches[0].device
-    cycles = int(per_layer_s * _sleep_rate(dev))
+    cycles = int(per_layer_s * sleep_cycles_per_s(dev))
     for c in caches:
         torch.cuda.synchronize(c.device)
     start = time.monotonic()
