@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks for kvpush on a CUDA machine (one prepared run; see README "GPU").
+# GPU checks for kvpush on a CUDA machine (one prepared run; see README "GPU"). What they cover is listed
+# here; they run in another order (below: what has never run on a GPU first, each step capped), and
+# scripts/write_cost.py measures kvpush's per-WRITE work on the machine's host; QUICK=1 stops after that.
 #  1. tests/gpu: VRAM registered with NIXL, plan-driven WRITE in process, `kvpush demo --device cuda`
 #     between two processes, the CUDA event hand-off behind a deliberately slow kernel and host staging
 #     from VRAM (two processes on the GPU), every byte verified.
