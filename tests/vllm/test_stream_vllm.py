@@ -5,6 +5,7 @@ concurrency; a request aborted mid-stream leaks nothing on either side."""
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 from pathlib import Path
@@ -24,6 +25,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 MAX_TOKENS = 16
 CHUNK = 128  # tokens per prefill step: a 1,000-token prompt takes 8 steps, so 7 ranges move early
 LENGTHS = [60, 200, 400, 700, 1000, 30]  # words (about 2 tokens each)
+# A prefill step of the tiny model takes ~1 ms; a real model's takes tens. Without a stand-in for that time
+# a prompt can be computed before the decode's registration arrives and its ranges leave as one WRITE (a CI
+# run under load saw 12 WRITEs for 12 prompts): tests/vllm/slow_prefill sleeps this long per prefill step.
+STEP_S = 0.02
+SLOW_PREFILL = Path(__file__).with_name("slow_prefill")
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +39,16 @@ def model() -> str:
 
 def start_streamed_pd(model: str, logs: Path, streaming: dict):
     """A kvpush P/D pair whose prefill runs chunked prefill (CHUNK tokens a step) with `streaming` keys and
-    thresholds 0; `stats_dir` and `logs` ride on the deployment (shared with test_stream_layers_vllm.py)."""
+    thresholds 0, each prefill step STEP_S longer (slow_prefill/sitecustomize.py); `stats_dir` and `logs` ride
+    on the deployment (shared with test_stream_layers_vllm.py)."""
     stats = logs / "stats"
     base = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
     prefill = {**base, **streaming, "stream_min_tokens": 0, "stream_min_bytes": 0}
     chunked = ["--max-num-batched-tokens", str(CHUNK), "--enable-chunked-prefill"]
-    dep = start_pd("kvpush", model, logs, prefill_extra=prefill, decode_extra=base, prefill_args=chunked)
+    path = os.pathsep.join(p for p in (str(SLOW_PREFILL), os.environ.get("PYTHONPATH", "")) if p)
+    slow = {"PYTHONPATH": path, "KVPUSH_TEST_PREFILL_STEP_S": str(STEP_S)}
+    kw = {"prefill_extra": prefill, "decode_extra": base, "prefill_args": chunked, "prefill_env": slow}
+    dep = start_pd("kvpush", model, logs, **kw)
     dep.stats_dir = stats  # type: ignore[attr-defined]
     dep.logs = logs  # type: ignore[attr-defined]
     return dep
@@ -93,7 +103,7 @@ def test_streamed_outputs_equal_single_engine_under_concurrency(pd, single, mode
     assert p["sent_failed"] == 0 and d["recv_failed"] == 0 and p["sent_ok"] >= len(prompts)
     # the prompts moved in ranges: many more WRITEs than requests (one each without streaming)
     # (ranges ready before the decode's registration arrives go out as one WRITE, so the count depends on
-    # registration timing: 23-53 WRITEs were seen for the same 12 prompts; one per request never streams)
+    # registration timing: STEP_S per prefill step gives the registration time to arrive first)
     assert p["endpoint"]["writes"] > p["sent_ok"], p["endpoint"]
 
 
