@@ -6,9 +6,11 @@ they touch went cold), so kvpush's per-WRITE work is measured here the way it ha
 first. Samples of a base commit's code (exported next to this checkout under another package name) and of
 this checkout's alternate one by one in one process, so both see the same load. Prints the median thread
 CPU time (microseconds) of the sender machine up to the StartWrite (the second of registration and
-prefill_done) and, for this checkout, of build_index_plan whole and with one side made before.
+prefill_done), of Session.open (authenticate and decode one registration) on a connection that has
+carried `--frames` frames before, and, for this checkout, of build_index_plan whole and with one side
+made before.
 
-    python scripts/cold_cost.py --base 75ed4a8 --samples 600
+    python scripts/cold_cost.py --base 75ed4a8 --samples 600 --frames 5000
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def main() -> int:
     ap.add_argument("--base", default="75ed4a8")
     ap.add_argument("--samples", type=int, default=600)
     ap.add_argument("--sleep-ms", type=float, default=2.0)
+    ap.add_argument("--frames", type=int, default=5000, help="frames a session opened before it is timed")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvpush-cold-") as tmp:
         tar = Path(tmp) / "base.tar"
@@ -83,10 +86,37 @@ def main() -> int:
                 out = st.on_registration(reg, now, 32)
             res.setdefault(f"machine, {last} last, {tree}", []).append((time.thread_time_ns() - t0) / 1e3)
             st.on_write_done(rid, out[0].attempt, 0, True, 1000, "", now)
+        for tree, pkg in (("before", "kvpush_base"), ("after", "kvpush")):
+            res[f"Session.open after {args.frames} frames, {tree}"] = opens(pkg, args)
     res.update(plans(args.samples, args.sleep_ms / 1e3))
     for k, v in res.items():
         print(f"{k:<44}{statistics.median(v):8.1f} us")
     return 0
+
+
+def opens(pkg: str, args: argparse.Namespace) -> list[float]:
+    """Thread CPU time of opening one sealed Registration, cold, on a session `args.frames` frames old."""
+    hs, wire = (
+        importlib.import_module(pkg + ".protocol.handshake"),
+        importlib.import_module(pkg + ".protocol.wire"),
+    )
+    codec = wire.Codec()
+    dec = hs.Session(codec, b"k" * 32, b"n" * 16, b"m" * 16, "decode")
+    pre = hs.Session(codec, b"k" * 32, b"n" * 16, b"m" * 16, "prefill")
+    for i in range(args.frames):
+        pre.open(dec.seal(wire.Ping(clock=float(i))))
+    out = []
+    for i in range(args.samples // 4):
+        reg = wire.Registration(
+            request_id=f"r{i}", attempt=0, decode_engine_id="d", decode_rank=0, decode_tp=1,
+            block_ids=[1, 2, 3, 4], num_tokens=100, expires_at=1e9,
+        )  # fmt: skip
+        frame = dec.seal(reg)
+        nap(args.sleep_ms / 1e3)
+        t0 = time.thread_time_ns()
+        pre.open(frame)
+        out.append((time.thread_time_ns() - t0) / 1e3)
+    return out
 
 
 def plans(samples: int, sleep_s: float) -> dict[str, list[float]]:

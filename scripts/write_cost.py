@@ -13,7 +13,9 @@ writes everything to --json.
 `--base none` runs this checkout alone (a machine without git history, e.g. the GPU box's copy).
 `--variant name=--flag` (repeatable; several flags: `name="--a --b"`) adds a column: this checkout again
 with those extra demo flags, e.g. `--variant no_arm=--no-source-blocks` beside the armed default.
-`armed_per_write` is kvpush_per_write over the small requests whose WRITE was made ahead (source_blocks).
+`armed_per_write` is kvpush_per_write over the small requests whose WRITE was made ahead (source_blocks);
+`registration_last_per_write` / `prefill_done_last_per_write` split it by the event that came last (the
+demo alternates the two orders).
 
 The base must have the timeline marks (picked, sealed, queued: commit 4d7336b and later); the demo that
 runs is the tree's own.
@@ -48,6 +50,8 @@ DEMO = [
 KEYS = (
     "kvpush_per_write",
     "armed_per_write",
+    "registration_last_per_write",
+    "prefill_done_last_per_write",
     "wake",
     "plan",
     "seal",
@@ -96,6 +100,8 @@ def row(res: dict[str, Any]) -> dict[str, float]:
     got["trigger_to_posted"] = float(tl["trigger_to_posted"])
     if "prefill_done_call_us_small" in res:  # the engine thread's time inside prefill_done
         got["prefill_done_call"] = float(res["prefill_done_call_us_small"]["p50"])
+    for order, cost in tl.get("per_write_by_order", {}).items():  # trees from 2026-12-04 on
+        got[f"{order}_per_write"] = float(cost)
     armed = res.get("timeline_p50_us_small_armed")
     if armed and armed.get("requests"):
         got["armed_per_write"] = float(armed["kvpush_per_write"])

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 from ..config import KVPushConfig
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.groups import BlockIds
-from ..protocol.handshake import REPLAY_WINDOW, Session
+from ..protocol.handshake import Session
 from ..protocol.layout import KVLayout
 from ..protocol.order import NOTIF, done_notice, failure_notice, sealed_done, write_plan
 from ..protocol.plan import TransferPlan
 from ..protocol.prepared import Half, IndexPlan, PairUnits, build_index_plan, half_plan
 from ..protocol.reasons import Failure
+from ..protocol.replay import REPLAY_WINDOW
 from ..protocol.sender import (
     DecodeRankState,
     NotifyDone,

@@ -13,6 +13,7 @@ import msgspec
 
 from ..errors import LayoutError, WireError
 from .layout import KVLayout, Plane, Region, check_compatible
+from .replay import ReplayWindow
 from .wire import (
     HELLO_MAC,
     PLAIN,
@@ -31,7 +32,6 @@ from .wire import (
 
 # A shared key shorter than this is refused at configuration (an empty or short key is no secret).
 MIN_KEY_BYTES = 16
-REPLAY_WINDOW = 4096
 
 
 class AuthMismatch(WireError):
@@ -203,7 +203,7 @@ class Session:
         self.send_dir = b"p2d" if local_role == "prefill" else b"d2p"
         self.recv_dir = b"d2p" if local_role == "prefill" else b"p2d"
         self._next: dict[bytes, int] = {}
-        self._seen: dict[bytes, tuple[int, set[int]]] = {}  # channel -> (highest, seen within window)
+        self._seen: dict[bytes, ReplayWindow] = {}  # channel -> the sequence numbers it accepted
 
     def seal(self, msg: Message, channel: bytes = b"side") -> bytes:
         body = self.codec.encode(msg)
@@ -231,14 +231,11 @@ class Session:
         raw_seq = seq.to_bytes(SEQ_BYTES, "big")
         if not tags_equal(tag, hmac_tag(self.key, self.recv_dir, channel, raw_seq, body)):
             raise AuthMismatch("message HMAC does not match this connection's session: forged or misrouted")
-        highest, seen = self._seen.get(channel, (0, set()))
-        if seq <= highest - REPLAY_WINDOW or seq in seen:
+        window = self._seen.get(channel)
+        if window is None:
+            window = self._seen[channel] = ReplayWindow()
+        if not window.accept(seq):
             raise WireError(f"replayed message (sequence {seq} already seen on this connection)")
-        seen.add(seq)
-        if seq > highest:
-            highest = seq
-            seen = {s for s in seen if s > highest - REPLAY_WINDOW}
-        self._seen[channel] = (highest, seen)
         return self.codec.decode(body)
 
 

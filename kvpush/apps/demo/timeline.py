@@ -44,6 +44,7 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
     # the wake-up differs by which event came last: prefill_done (a command and a doorbell) or the
     # registration (a side-channel message, decoded and admitted before the machine sees it)
     wake: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
+    per_write: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
     for timeline, ready_at in reqs:
         t = timeline or {}
         if not ready_at or not {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(t):
@@ -57,6 +58,8 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
         spans["complete_to_decode_ready"].append(1e6 * (ready_at - t["complete"]))
         if "made" in t:
             spans["trigger_to_made"].append(1e6 * (t["made"] - trigger))
+            last = "prefill_done_last" if t["prefill_done"] >= t["registered"] else "registration_last"
+            per_write[last].append(1e6 * (t["made"] - trigger))
             spans["made_to_posted"].append(1e6 * (t["posted"] - t["made"]))
         if all(mark in t for _, mark in STAGES):
             last = "prefill_done_last" if t["prefill_done"] >= t["registered"] else "registration_last"
@@ -69,5 +72,6 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
     out["kvpush_per_write"] = out["trigger_to_made"]
     out["stages"] = {k: _p50(v) for k, v in stages.items()}
     out["wake_by_order"] = {k: _p50(v) for k, v in wake.items()}
+    out["per_write_by_order"] = {k: _p50(v) for k, v in per_write.items()}
     out["requests"] = len(spans["trigger_to_posted"])
     return out
