@@ -10,6 +10,7 @@ a peer can create at will, so they are capped per decode engine, the oldest forg
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 NO_OWNER = ""
@@ -47,6 +48,9 @@ class Tombstones:
         self.per_engine_cap = per_engine_cap
         self._stones: dict[str, Tombstone] = {}
         self._by_abort: dict[str, dict[str, None]] = {}  # engine -> its abort-made ids, oldest first
+        # (expiry, id) of every stone put, soonest first: expire() looks only at the ones due. An entry
+        # whose stone was replaced or forgotten since stays until it surfaces (or the heap is rebuilt).
+        self._due: list[tuple[float, str]] = []
 
     def __len__(self) -> int:
         return len(self._stones)
@@ -93,8 +97,14 @@ class Tombstones:
                     del self._by_abort[stone.owner]
 
     def expire(self, now: float) -> None:
-        for request_id in [r for r, s in self._stones.items() if now >= s.expiry]:
-            self.forget(request_id)
+        """Forget every id whose tombstone expired. Runs on every tick: it touches only the stones due
+        (a scan of all of them cost O(ids finished in the last tombstone_s) per tick on the push thread)."""
+        due, stones = self._due, self._stones
+        while due and due[0][0] <= now:
+            expiry, request_id = heapq.heappop(due)
+            stone = stones.get(request_id)
+            if stone is not None and stone.expiry == expiry:
+                self.forget(request_id)
 
     def abort_made(self, engine_id: str) -> int:
         """How many abort-made tombstones an engine holds (for tests and stats)."""
@@ -103,3 +113,7 @@ class Tombstones:
     def _put(self, request_id: str, stone: Tombstone) -> None:
         self.forget(request_id)
         self._stones[request_id] = stone
+        heapq.heappush(self._due, (stone.expiry, request_id))
+        if len(self._due) > 2 * len(self._stones) + 64:  # mostly entries of stones gone (capped aborts)
+            self._due = [(s.expiry, r) for r, s in self._stones.items()]
+            heapq.heapify(self._due)
