@@ -94,6 +94,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: PrefillWorker | DecodeWorker | None = None
         # Which method vLLM collects results with decides how failures reach it (see get_finished).
         self._failures_by_blocks = False
+        self._ended: KVPushConnectorMetadata | None = None  # the step metadata end_step last ran for
         backoff = window_backoff(self.groups)
         if role == KVConnectorRole.SCHEDULER:
             if self.settings.is_producer:
@@ -206,14 +207,27 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
             worker.save_kv_layer(meta, layer_name)
 
     def wait_for_save(self) -> None:
+        self._end_step(forward=True)
+
+    def _end_step(self, forward: bool) -> None:
+        """The worker's end of this step, once per step's metadata. `forward` False (from get_finished):
+        only for a step without a forward pass, where vLLM < 0.32 never calls wait_for_save
+        (kv_connector_no_forward passes wait_for_save=False): the scheduler's commands of that step (the
+        terminal call that ends a push aborted mid-stream, aborts) would be lost and vLLM would hold the
+        request's blocks for good. A step with a forward pass is ended by wait_for_save only, after it."""
         meta = self._connector_metadata
-        if isinstance(meta, KVPushConnectorMetadata):
-            self._work().end_step(meta)
+        if not isinstance(meta, KVPushConnectorMetadata) or meta is self._ended:
+            return
+        if not forward and meta.forward:
+            return
+        self._ended = meta
+        self._work().end_step(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM < 0.32 collects results here: a failed receive is reported finished, and its blocks
         follow in get_block_ids_with_load_errors, which vLLM calls right after in the same step."""
         self._failures_by_blocks = True
+        self._end_step(forward=False)
         sending, recving, _failed = self._work().collect(finished_req_ids)
         return sending or None, recving or None
 
@@ -224,6 +238,7 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
                 "get_transfer_results called on a vLLM without KVConnectorTransferResults"
             )
         self._failures_by_blocks = False
+        self._end_step(forward=False)  # 0.32 ends every step in wait_for_save; should a step come without
         sending, recving, failed = self._work().collect(finished_req_ids)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed

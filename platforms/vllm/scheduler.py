@@ -114,6 +114,9 @@ class KVPushConnectorMetadata(KVConnectorMetadata):
     stop: list[SendItem] = field(default_factory=list)  # streamed and aborted: abort, then the terminal call
     abort_send: list[tuple[str, str]] = field(default_factory=list)  # (req_id, key)
     wake_path: str = ""  # the scheduler's IdleWaiter; workers wake it when a transfer settles
+    # the step runs a forward pass (tokens scheduled). vLLM < 0.32 does not call wait_for_save on a step
+    # without one (kv_connector_no_forward), so the connector ends such a step in get_finished instead
+    forward: bool = True
 
     def has_commands(self) -> bool:
         return bool(
@@ -158,6 +161,7 @@ class SchedulerBase:
         if scheduler_output.num_scheduled_tokens:
             log.debug("kvpush sched %s", dict(scheduler_output.num_scheduled_tokens))
         self._add_to_step(scheduler_output, meta)
+        meta.forward = bool(scheduler_output.total_num_scheduled_tokens)
         if self.waiter is not None:
             meta.wake_path = self.waiter.path
             if (
