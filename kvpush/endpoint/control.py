@@ -177,8 +177,13 @@ class _ZmqChannel:
             raise TransportError(f"side channel send failed: {exc}") from exc
 
     def recv(self) -> bytes | None:
+        # asked per prefill rank every loop round, mostly of an empty socket: EVENTS answers that without
+        # the raised Again (as _ZmqListener.recv)
+        sock = self.sock
+        if not sock.getsockopt(_OPT_EVENTS) & _POLLIN:
+            return None
         try:
-            return bytes(self.sock.recv(zmq.NOBLOCK))
+            return bytes(sock.recv(_NOBLOCK))
         except zmq.Again:
             return None
 

@@ -186,6 +186,7 @@ class ReceiverState:
         self.abort_resend_s = abort_resend_s
         self._live: dict[tuple[str, int], _Attempt] = {}
         self._current: dict[str, int] = {}  # request -> newest attempt
+        self._waiting = 0  # live attempts in RecvPhase.WAITING (waiting())
         # request -> next attempt number, for requests no longer live: bounded, oldest forgotten first
         # (a forgotten request restarts at a random-free but larger base: see _new_attempt_number)
         self._next_attempt: dict[str, int] = {}
@@ -210,7 +211,9 @@ class ReceiverState:
         return f"attempt {att.attempt} {att.phase.value}{why}; {ranks}; fence in {att.fence_at - now:.1f}s"
 
     def waiting(self) -> int:
-        return sum(1 for a in self._live.values() if a.phase is RecvPhase.WAITING)
+        """Live attempts still WAITING: asked every loop round (the decode is busy while any is), so
+        counted as they change, not by a walk over every live attempt."""
+        return self._waiting
 
     def expect(
         self,
@@ -247,6 +250,7 @@ class ReceiverState:
             dict.fromkeys(senders, PrefillRankState.EXPECTED),
         )
         self._live[(request_id, attempt)] = att
+        self._waiting += 1
         ids, sizes = flat_ids(block_ids)
         reg = Registration(
             request_id=request_id,
@@ -414,11 +418,13 @@ class ReceiverState:
         ]
         self._live.clear()
         self._current.clear()
+        self._waiting = 0
         return out
 
     def _end(self, att: _Attempt, reason: str, now: float, kind: Failure) -> list[ReceiverAction]:
         if att.phase is RecvPhase.ENDING:
             return []
+        self._waiting -= 1
         att.phase, att.reason, att.kind = RecvPhase.ENDING, reason, kind
         att.abort_sent_at = now
         return [SendAbort(p, self._abort_message(att)) for p in att.unsettled()]
@@ -460,5 +466,6 @@ class ReceiverState:
         if self._current.get(att.request_id) == att.attempt:
             del self._current[att.request_id]
         if att.phase is RecvPhase.WAITING:
+            self._waiting -= 1
             return [Ready(att.request_id, att.attempt, att.block_ids, att.nbytes)]
         return [Failed(att.request_id, att.attempt, att.block_ids, att.reason, att.kind)]

@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpush.protocol.receiver import Discarded, Failed, Ready, ReceiverState, SendAbort, SendRegistration
+from kvpush.protocol.receiver import (
+    Discarded,
+    Failed,
+    Ready,
+    ReceiverState,
+    RecvPhase,
+    SendAbort,
+    SendRegistration,
+)
 from kvpush.protocol.sender import Arm, Disarm, NotifyFailure, ReleaseSource, SenderState, StartWrite
 from kvpush.protocol.wire import TransferDone, TransferFailed
 
@@ -359,6 +367,8 @@ def test_random_schedules_keep_every_invariant(setup, n_req, ops, rng, slow):
             w.tick(rng.choice([0.1, 1.0, 4.0, 9.5]))
         elif op == "stall":
             w.tick(rng.choice([1.0, 4.0, 8.0]), prefill_running=False)  # the prefill is frozen meanwhile
+        for r in w.receivers:  # the count the decode's loop asks every round, against a walk
+            assert r.waiting() == sum(1 for a in r._live.values() if a.phase is RecvPhase.WAITING)
     # drain: finish every WRITE, deliver every message, then let every deadline pass
     for _ in range(10_000):
         if w.writes and not slow:
