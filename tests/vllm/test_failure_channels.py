@@ -57,6 +57,7 @@ def connector() -> tuple[KVPushConnector, Endpoint]:
     worker.cache = SimpleNamespace(ratio=1, layout=SimpleNamespace(block_size=16))  # type: ignore[assignment]
     conn = KVPushConnector.__new__(KVPushConnector)
     conn._sched, conn._worker, conn._failures_by_blocks = None, worker, False
+    conn._connector_metadata, conn._ended = None, None  # what vLLM's base and our __init__ set
     return conn, endpoint
 
 
