@@ -57,6 +57,7 @@ def test_protocol_imports_nothing_outside_protocol_and_errors_statically():
         "dataclasses",
         "enum",
         "hashlib",
+        "heapq",
         "hmac",
         "typing",
         "msgspec",
