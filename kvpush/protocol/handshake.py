@@ -22,6 +22,7 @@ from .wire import (
     Codec,
     Hello,
     LayoutWire,
+    Mac,
     Message,
     PeerMemory,
     frame_name,
@@ -200,6 +201,7 @@ class Session:
     ) -> None:
         self.codec = codec
         self.key = None if key is None else hmac_tag(key, b"kvpush-session", decode_nonce, prefill_nonce)
+        self._mac = None if self.key is None else Mac(self.key)
         self.send_dir = b"p2d" if local_role == "prefill" else b"d2p"
         self.recv_dir = b"d2p" if local_role == "prefill" else b"p2d"
         self._next: dict[bytes, int] = {}
@@ -207,12 +209,12 @@ class Session:
 
     def seal(self, msg: Message, channel: bytes = b"side") -> bytes:
         body = self.codec.encode(msg)
-        if self.key is None:
+        if self._mac is None:
             return bytes([PLAIN]) + body
         seq = self._next.get(channel, 1)
         self._next[channel] = seq + 1
         raw_seq = seq.to_bytes(SEQ_BYTES, "big")
-        return bytes([SEALED]) + body + raw_seq + hmac_tag(self.key, self.send_dir, channel, raw_seq, body)
+        return bytes([SEALED]) + body + raw_seq + self._mac.tag(self.send_dir, channel, raw_seq, body)
 
     def sealed(self, channel: bytes = b"side") -> int:
         """How many frames this side has sealed on `channel` (a frame sealed ahead, then held, is refused
@@ -222,14 +224,14 @@ class Session:
     def open(self, data: bytes, channel: bytes = b"side") -> Message:
         """The message in a frame, authenticated and fresh; WireError (AuthMismatch) otherwise."""
         flag, body, seq, tag = split_frame(data, self.codec.max_bytes)
-        if self.key is None:
+        if self._mac is None:
             if flag != PLAIN:
                 raise AuthMismatch(f"peer sent a {frame_name(flag)} frame but this side has no shared key")
             return self.codec.decode(body)
         if flag != SEALED:
             raise AuthMismatch(f"unauthenticated {frame_name(flag)} frame on an authenticated connection")
         raw_seq = seq.to_bytes(SEQ_BYTES, "big")
-        if not tags_equal(tag, hmac_tag(self.key, self.recv_dir, channel, raw_seq, body)):
+        if not tags_equal(tag, self._mac.tag(self.recv_dir, channel, raw_seq, body)):
             raise AuthMismatch("message HMAC does not match this connection's session: forged or misrouted")
         window = self._seen.get(channel)
         if window is None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 
 import msgspec
 import pytest
@@ -17,10 +19,12 @@ from kvpush.protocol.wire import (
     Abort,
     Codec,
     ErrorReply,
+    Mac,
     Posted,
     Registration,
     TransferDone,
     WireError,
+    hmac_tag,
 )
 
 REG = Registration(
@@ -205,3 +209,24 @@ def test_sessions_reject_tampering_wrong_keys_other_connections_and_replays():
 def test_random_bytes_never_escape_as_anything_but_wireerror(data):
     with contextlib.suppress(WireError):
         Codec().decode(data)
+
+
+def _streamed_hmac(key: bytes, *parts: bytes) -> bytes:
+    """The tag as the wire defines it, written out the long way: every part behind its 4-byte length."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(4, "big"))
+        mac.update(part)
+    return mac.digest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=16, max_size=80), st.lists(st.binary(max_size=300), max_size=6))
+def test_tags_made_from_a_keyed_copy_equal_the_definition(key, parts):
+    """Mac keys once and copies per frame (handshake.Session): the bytes it authenticates, and so its tags,
+    must be the definition's, or a peer on the previous release refuses every sealed frame."""
+    want = _streamed_hmac(key, *parts)
+    mac = Mac(key)
+    assert mac.tag(*parts) == want
+    assert mac.tag(*parts) == want  # the keyed state is copied, never consumed
+    assert hmac_tag(key, *parts) == want
