@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpush.apps.demo.mirror import DeviceMirror, HostView, WholeCopy, block_view
+from kvpush.apps.demo.mirror import DeviceMirror, HostView, LayerUpload, WholeCopy, block_view
 from kvpush.apps.demo.pattern import count_wrong_bytes, fill, scrub
 from kvpush.protocol.layout import KVLayout, packed_planes
 
@@ -88,3 +88,48 @@ def test_a_cache_the_rows_cannot_address_is_copied_whole_and_a_host_cache_is_its
     host = Host()
     hv = block_view(host)
     assert isinstance(hv, HostView) and hv.pull([0]) is host.buffer
+
+
+def test_a_layered_upload_moves_one_layer_of_the_requests_blocks_at_a_time_and_nothing_else() -> None:
+    """The streamed demo's GPU prefill (procs._cuda_layered_prefill) lands a request layer by layer through
+    LayerUpload: after layer l only layers 0..l of its blocks hold the pattern, and no other block is
+    written, not even one the device changed after the pattern was made (a whole-plane copy would have
+    put the mirror's stale bytes back there)."""
+    lay = geometry(num_layers=4)
+    cache = StandInDeviceCache(lay, 3)
+    view = block_view(cache)
+    assert isinstance(view, DeviceMirror)
+    blocks, n = [9, 1, 14], 11
+    before = cache.tensor.clone()
+    fill(view.pull(blocks), cache.layout, blocks, n, request_tag=4)
+    upload = LayerUpload(view, blocks, lay.num_layers)
+    other = [b for b in range(lay.num_blocks) if b not in blocks]
+    rows = cache.tensor.view(-1, lay.block_bytes)
+    kvs = lay.kv_per_layer
+    first = [
+        cache.layout.plane(layer, kv).offset // lay.block_bytes for layer in range(4) for kv in range(kvs)
+    ]
+    for p in first:
+        rows[p + other[0]] = 77  # the device moved on after the pattern was made
+    moved = cache.tensor.clone()
+    want = reference_bytes(lay, before, blocks, n, tag=4)
+    for layer in range(lay.num_layers):
+        upload.enqueue(layer)
+        for plane, p in enumerate(first):
+            done = plane // kvs <= layer
+            for b in blocks:
+                got, expect = rows[p + b], want.view(-1, lay.block_bytes)[p + b]
+                assert torch.equal(got, expect if done else moved.view(-1, lay.block_bytes)[p + b])
+            for b in other:
+                assert torch.equal(rows[p + b], moved.view(-1, lay.block_bytes)[p + b])
+    assert count_wrong_bytes(cache.to_host(), cache.layout, blocks, n, 4) == 0
+
+
+def reference_bytes(lay: KVLayout, before: object, blocks: list[int], n: int, tag: int) -> object:
+    """The cache's bytes with the request's pattern filled in over the whole cache (the definition)."""
+    ref = StandInDeviceCache(lay, 0)
+    ref.tensor.copy_(before)  # type: ignore[arg-type]
+    whole = ref.to_host()
+    fill(whole, ref.layout, blocks, n, request_tag=tag)
+    ref.from_host(whole)
+    return ref.tensor

@@ -100,6 +100,32 @@ class DeviceMirror:
             self._torch.cuda.synchronize(dev)  # landed before the push thread may read it
 
 
+class LayerUpload:
+    """One request's rows on their way from a DeviceMirror's host copy to the device, a layer at a time (the
+    GPU form of the streamed demo's synthetic prefill): the rows of every plane of the named blocks are
+    gathered once into one host tensor (pinned on CUDA, so each layer's copy is asynchronous), and
+    `enqueue(layer)` queues that layer's rows onto the device on the current stream. Nothing else of the
+    cache moves: a request costs its own bytes, not the cache's."""
+
+    def __init__(self, mirror: DeviceMirror, blocks: list[int], num_layers: int) -> None:
+        torch = mirror._torch
+        self.mirror = mirror
+        idx = mirror._index(blocks)  # plane-major: the planes of layer l are rows l*per .. (l+1)*per
+        per = idx.shape[0] // num_layers
+        dev = mirror.rows.device
+        src = torch.from_numpy(np.ascontiguousarray(mirror.host_rows[idx]))
+        if dev.type == "cuda":
+            src = src.pin_memory()
+        self._src = [src[layer * per : (layer + 1) * per] for layer in range(num_layers)]
+        self._idx = [
+            torch.from_numpy(idx[layer * per : (layer + 1) * per]).to(dev) for layer in range(num_layers)
+        ]
+
+    def enqueue(self, layer: int) -> None:
+        rows = self.mirror.rows
+        rows.index_copy_(0, self._idx[layer], self._src[layer].to(rows.device, non_blocking=True))
+
+
 class WholeCopy:
     """A device cache that DeviceMirror cannot address by rows: the whole cache to the host and back."""
 

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvpush.apps.blocks import BlockPool, shuffled_runs
-from kvpush.apps.demo.mirror import block_view
+from kvpush.apps.demo.mirror import BlockView, DeviceMirror, LayerUpload, block_view
 from kvpush.apps.demo.pattern import copy_layer, count_wrong_bytes, fill, scrub
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
@@ -171,6 +171,7 @@ _STAGING: dict[
 def layered_prefill(
     eps: list[Any],
     caches: list[Any],
+    views: list[BlockView],
     rid: str,
     blocks: list[int],
     n: int,
@@ -184,7 +185,7 @@ def layered_prefill(
     prefill_done after the last layer. Returns (start, end): monotonic, end = the last layer written.
     On CUDA caches the compute is a kernel delay on the device (see _cuda_layered_prefill)."""
     if getattr(caches[0], "device_type", "") == "cuda":
-        return _cuda_layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+        return _cuda_layered_prefill(eps, caches, views, rid, blocks, n, tag, per_layer_s, streamed)
     hosts = [c.to_host() for c in caches]
     for c, h in zip(caches, hosts, strict=True):
         if id(c) not in _STAGING:
@@ -230,6 +231,7 @@ def sleep_cycles_per_s(dev: int) -> float:
 def _cuda_layered_prefill(
     eps: list[Any],
     caches: list[Any],
+    views: list[BlockView],
     rid: str,
     blocks: list[int],
     n: int,
@@ -237,17 +239,19 @@ def _cuda_layered_prefill(
     per_layer_s: float,
     streamed: bool,
 ) -> tuple[float, float]:
-    """The GPU form: the pattern is made on the host first (not timed); then per layer, on the device's
-    stream, a kernel that spins per_layer_s (torch.cuda._sleep), the layer's planes copied in, and a CUDA
-    event whose synchronize is the range's kv_written barrier: the engine thread only enqueues, the push
-    thread waits on the event. `end` is when the last layer's event completed."""
+    """The GPU form: the pattern is made in the host mirror of the request's blocks first, and their rows
+    pinned (not timed); then per layer, on the device's stream, a kernel that spins per_layer_s
+    (torch.cuda._sleep), that layer's rows of the request's blocks copied in (mirror.LayerUpload), and a
+    CUDA event whose synchronize is the range's kv_written barrier: the engine thread only enqueues, the
+    push thread waits on the event. `end` is when the last layer's event completed."""
     import torch
 
-    hosts = []
-    for c in caches:
-        host = c.to_host()
-        fill(host, c.layout, blocks, n, tag)
-        hosts.append(torch.from_numpy(host).pin_memory())  # so each layer's copy is truly asynchronous
+    uploads = []
+    for c, view in zip(caches, views, strict=True):
+        if not isinstance(view, DeviceMirror):
+            raise ValueError("the streamed demo on CUDA needs a cache in one tensor with packed planes")
+        fill(view.pull(blocks), c.layout, blocks, n, tag)
+        uploads.append(LayerUpload(view, blocks, c.layout.num_layers))
     dev = caches[0].device
     cycles = int(per_layer_s * sleep_cycles_per_s(dev))
     for c in caches:
@@ -255,16 +259,11 @@ def _cuda_layered_prefill(
     start = time.monotonic()
     events: list[Any] = [None] * len(caches)
     for layer in range(caches[0].layout.num_layers):
-        for i, (c, host) in enumerate(zip(caches, hosts, strict=True)):
+        for i, (c, upload) in enumerate(zip(caches, uploads, strict=True)):
             with torch.cuda.device(c.device):
                 if cycles:
                     torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
-                size = (c.layout.num_blocks - 1) * c.layout.block_stride + c.layout.block_bytes
-                for kv in range(c.layout.kv_per_layer):
-                    p = c.layout.plane(layer, kv)
-                    c.flat[p.region][p.offset : p.offset + size].copy_(
-                        host[p.offset : p.offset + size], non_blocking=True
-                    )
+                upload.enqueue(layer)
                 events[i] = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 events[i].record()
         if streamed:
@@ -326,7 +325,9 @@ def prefill_main(
                     _, rid, n, tag, per_layer_s, streamed = cmd
                     blocks = alloc.allocate(blocks_for(n, geo.block_size))
                     live[rid] = (blocks, n, set(), [], {})
-                    start, end = layered_prefill(eps, caches, rid, blocks, n, tag, per_layer_s, streamed)
+                    start, end = layered_prefill(
+                        eps, caches, views, rid, blocks, n, tag, per_layer_s, streamed
+                    )
                     conn.send(("prefilled_layers", rid, start, end, blocks))
                 elif kind == "prefill_done":
                     rid = cmd[1]
