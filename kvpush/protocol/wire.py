@@ -382,7 +382,7 @@ def hmac_tag(key: bytes, *parts: bytes) -> bytes:
 
 class Mac:
     """hmac_tag under one key that tags many messages (a session): the key is hashed in once and each tag
-    starts from a copy of that keyed state, about 40% less work per sealed or opened frame."""
+    starts from a copy of that keyed state (a tag in ~60% of the time of keying afresh)."""
 
     def __init__(self, key: bytes) -> None:
         self._keyed = hmac.new(key, digestmod=hashlib.sha256)
