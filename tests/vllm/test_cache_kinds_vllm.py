@@ -166,7 +166,15 @@ class Kind:
 # query head, k_pe sliced out of the latent projection) as if contiguous: its results depend on the other
 # tokens in the step, so a CPU MLA engine's tokens change with the prompt's length, the batch and prefill
 # vs decode. Off, vLLM ropes in PyTorch (docs/vllm.md, "KV-cache kinds").
-MLA_ENGINE_ARGS = ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]
+# The backend is named: on a host with AMX tiles vLLM (0.29 and 0.32) picks AMX_MLA, which loads only
+# bf16/fp16/int8 weights ("expect weight to be bfloat16, ...": these float32 models never start); CPU_MLA
+# is the backend these tests check kvpush against on every host.
+MLA_ENGINE_ARGS = [
+    "--compilation-config",
+    json.dumps({"custom_ops": ["-rotary_embedding"]}),
+    "--attention-backend",
+    "CPU_MLA",
+]
 
 
 @pytest.fixture
