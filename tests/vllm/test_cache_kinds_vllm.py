@@ -185,6 +185,19 @@ def mla(tmp_path_factory: pytest.TempPathFactory):
     kind.stop()
 
 
+@pytest.fixture
+def mla_amx(tmp_path_factory: pytest.TempPathFactory):
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("vLLM picks AMX_MLA only on a CPU with AMX tiles; this one has none")
+    # vLLM's own choice of backend (AMX_MLA here), so bf16 weights: AMX_MLA loads no float32 ones
+    args = MLA_ENGINE_ARGS[:2]
+    kind = Kind("mla-bf16", tmp_path_factory.mktemp("vllm-mla-amx"), debug=True, engine_args=args)
+    yield kind
+    kind.stop()
+
+
 @pytest.fixture(params=["hybrid", "window", "gptoss"])
 def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     import vllm
@@ -249,6 +262,37 @@ def test_mla_equals_the_single_engine_alone_and_16_way_latents_byte_exact_nothin
     differ = {k: (sent.get(k), v) for k, v in got_sums.items() if sent.get(k) != v}
     assert not differ, f"latents differ between prefill and decode: {differ}"
     assert all(any(x != 0.0 for x in v) for v in got_sums.values())
+
+
+def test_mla_on_amx_equals_the_single_engine_and_its_latents_land_byte_exact(mla_amx: Kind) -> None:
+    """What an MLA model served on a recent Xeon gets by default: vLLM's AMX_MLA backend (block 128, bf16).
+    Prompts around its block boundaries and past several blocks, each alone, then all at once: token for
+    token the single engine's answer alone (a bf16 prompt whose concurrent answer differs, a batch effect
+    vLLM has without kvpush too, must equal it when sent alone through P/D); every request's latents sum to
+    the same on both engines; every request pushed, none failed, no block held afterwards."""
+    kind = mla_amx
+    assert kind.counters()[1]["kv_cache_groups"] == ["MLA latent"]
+    block = int(kind.counters()[1]["vllm_block_size"])
+    lengths = sorted({3, block - 1, block, block + 1, 2 * block + 1, 900})
+    prompts, want = prompts_and_answers(kind.single.url, kind.model, lengths, words=6000, seed=23)
+    before = kind.counters()
+    for n, p, w in zip(lengths, prompts, want, strict=True):
+        got = _complete_ids(kind.pd.url, kind.model, p, MAX_TOKENS)
+        assert got == w, f"{n} tokens alone (AMX_MLA, block {block}): P/D {got} != single {w}"
+    sent = len(prompts)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got_all = list(pool.map(lambda p: _complete_ids(kind.pd.url, kind.model, p, MAX_TOKENS), prompts))
+    for n, p, g, w in zip(lengths, prompts, got_all, want, strict=True):
+        if g != w:
+            g, sent = _complete_ids(kind.pd.url, kind.model, p, MAX_TOKENS), sent + 1
+        assert g == w, f"{n} tokens (AMX_MLA, block {block}): P/D {g} != single {w}"
+    kind.assert_all_pushed_and_released(before, sent + len(prompts))
+    total = sent + len(prompts)
+    sums_p = _wait(lambda: len(s := checksums(kind.logs / "kvpush-prefill.log", "P")) >= total and s)
+    sums_d = _wait(lambda: len(s := checksums(kind.logs / "kvpush-decode.log", "D")) >= total and s)
+    differ = {k: (sums_p.get(k), v) for k, v in sums_d.items() if sums_p.get(k) != v}
+    assert not differ, f"latents differ between prefill and decode: {differ}"
+    assert all(any(x != 0.0 for x in v) for v in sums_d.values())
 
 
 def prompts_and_answers(

@@ -117,6 +117,8 @@ VARIANTS: dict[str, TinyModelSpec] = {
 # vLLM 0.29's CPU attention with sinks runs bf16 only ("expected scalar type BFloat16 but found Float" from
 # cpu_attention_with_kv_cache on the float32 model): the same weights, stored in bf16, for the 0.29 runs
 VARIANTS["gptoss-bf16"] = replace(VARIANTS["gptoss"], dtype="bfloat16")
+# On a CPU with AMX tiles vLLM's default MLA backend is AMX_MLA, which loads bf16/fp16/int8 weights only
+VARIANTS["mla-bf16"] = replace(VARIANTS["mla"], dtype="bfloat16")
 
 
 def _training_text(limit_bytes: int = 4_000_000) -> list[str]:
