@@ -12,6 +12,7 @@ HostStaging (device -> host on the push thread after the barrier, host -> device
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import json
 import os
@@ -32,6 +33,7 @@ S_BLOCKS = [3, 4, 5, 9, 10, 20, 21, 40]
 D_BLOCKS = [7, 2, 3, 11, 12, 13, 30, 31]
 TOKENS = len(S_BLOCKS) * GEOMETRY["block_size"]
 SLEEP_S = 2.0  # the slow kernel's length, sized from a measured clock rate; checked still running at hand-off
+STACKS_AFTER_S = 0.5  # the engine-thread calls (queue, record, hand off) taking longer than this: dump stacks
 
 
 def _peer_module() -> Any:
@@ -82,6 +84,7 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
     pe.start()
     peer = None
     peer_log = tmp_path / "decode_peer.log"
+    stacks_file = (tmp_path / "stacks.txt").open("w")  # closed in the finally, whatever happens
     try:
         host, port = pe.address
         args = dict(mode=mode, engine_id="gpu-prefill", host=host, port=port, geometry=GEOMETRY,
@@ -98,6 +101,9 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
 
         rate = sleep_cycles_per_s(0)
         stream = torch.cuda.Stream()
+        # if an engine-thread call below blocks, faulthandler's own C thread (it needs no GIL, so it runs
+        # even if another thread holds the GIL inside a C call) writes every thread's Python stack here
+        faulthandler.dump_traceback_later(STACKS_AFTER_S, exit=False, file=stacks_file)
         t_queued = time.monotonic()
         stamps: dict[str, float] = {}  # when each engine-thread call returned, after queueing the sleep
         with torch.cuda.stream(stream):
@@ -113,6 +119,7 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
         t0 = time.monotonic()
         pe.prefill_done("req", S_BLOCKS, TOKENS, kv_written=barrier)
         handoff_s = time.monotonic() - t0
+        faulthandler.cancel_dump_traceback_later()
         running_at_handoff = not written.query()
         since_queued_s = time.monotonic() - t_queued
         while not written.query():
@@ -129,6 +136,8 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
             sent = pe.finished()
             time.sleep(0.01)
     finally:
+        faulthandler.cancel_dump_traceback_later()  # (again) whatever raised before the hand-off
+        stacks_file.close()
         if peer is not None and peer.poll() is None:
             peer.kill()
             peer.wait()
@@ -139,6 +148,9 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
         f"prefill_done took {handoff_s:.3f} s, hand-off checked {since_queued_s:.3f} s after queueing; "
         + ", ".join(f"{k} returned at {v:.3f} s" for k, v in stamps.items())
     )
+    stacks = (tmp_path / "stacks.txt").read_text()
+    if stacks:  # a call took over STACKS_AFTER_S: where every thread was then
+        timing += f"; every thread's stack {STACKS_AFTER_S} s after queueing:\n{stacks}"
     assert running_at_handoff, f"the slow kernel had finished before prefill_done ({timing}): proves nothing"
     assert handoff_s < 0.2, f"prefill_done waited ({timing}): the engine thread must not wait"
     assert result["finished"] == [{"ok": True, "reason": ""}], result
