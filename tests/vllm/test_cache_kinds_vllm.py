@@ -136,6 +136,16 @@ class Kind:
         self.single.stop()
         self.pd.stop()
 
+    def assert_latents_landed(self, total: int) -> None:
+        """Every one of the `total` requests of this pair (debug=True) logged its KV sums on both engines,
+        they are equal, and none is all zeros."""
+        sent = _wait(lambda: len(s := checksums(self.logs / "kvpush-prefill.log", "P")) >= total and s)
+        got = _wait(lambda: len(s := checksums(self.logs / "kvpush-decode.log", "D")) >= total and s)
+        assert len(sent) == len(got) == total, (len(sent), len(got))
+        differ = {k: (sent.get(k), v) for k, v in got.items() if sent.get(k) != v}
+        assert not differ, f"latents differ between prefill and decode: {differ}"
+        assert all(any(x != 0.0 for x in v) for v in got.values())
+
     def counters(self) -> tuple[dict[str, Any], dict[str, Any]]:
         return _stats(self.stats_dir, "prefill"), _stats(self.stats_dir, "decode")
 
@@ -255,13 +265,7 @@ def test_mla_equals_the_single_engine_alone_and_16_way_latents_byte_exact_nothin
         assert g == w, f"{n} tokens, 16 at once: P/D {g} != single {w}"
     mla.assert_all_pushed_and_released(before, CONCURRENCY)
 
-    total = len(prompts) + CONCURRENCY
-    sent = _wait(lambda: len(s := checksums(mla.logs / "kvpush-prefill.log", "P")) >= total and s)
-    got_sums = _wait(lambda: len(s := checksums(mla.logs / "kvpush-decode.log", "D")) >= total and s)
-    assert len(sent) == len(got_sums) == total, (len(sent), len(got_sums))
-    differ = {k: (sent.get(k), v) for k, v in got_sums.items() if sent.get(k) != v}
-    assert not differ, f"latents differ between prefill and decode: {differ}"
-    assert all(any(x != 0.0 for x in v) for v in got_sums.values())
+    mla.assert_latents_landed(len(prompts) + CONCURRENCY)
 
 
 def test_mla_on_amx_equals_the_single_engine_and_its_latents_land_byte_exact(mla_amx: Kind) -> None:
@@ -287,12 +291,7 @@ def test_mla_on_amx_equals_the_single_engine_and_its_latents_land_byte_exact(mla
             g, sent = _complete_ids(kind.pd.url, kind.model, p, MAX_TOKENS), sent + 1
         assert g == w, f"{n} tokens (AMX_MLA, block {block}): P/D {g} != single {w}"
     kind.assert_all_pushed_and_released(before, sent + len(prompts))
-    total = sent + len(prompts)
-    sums_p = _wait(lambda: len(s := checksums(kind.logs / "kvpush-prefill.log", "P")) >= total and s)
-    sums_d = _wait(lambda: len(s := checksums(kind.logs / "kvpush-decode.log", "D")) >= total and s)
-    differ = {k: (sums_p.get(k), v) for k, v in sums_d.items() if sums_p.get(k) != v}
-    assert not differ, f"latents differ between prefill and decode: {differ}"
-    assert all(any(x != 0.0 for x in v) for v in sums_d.values())
+    kind.assert_latents_landed(sent + len(prompts))
 
 
 def prompts_and_answers(
