@@ -457,15 +457,16 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
         f"{pst['descriptors']} / {pst['blocks']}",
         f"{summary['ready_after_prefill_ms']['p50']:.1f} / {summary['ready_after_prefill_ms']['p99']:.1f}",
     )
-    Console(width=180).print(table)
+    wide = Console(width=180)  # the table and the spans below, unwrapped
+    wide.print(table)
     tl = summary["timeline_p50_us"]
     # with several requests in flight a WRITE's spans include waiting behind the wave's earlier posts
     # (on UCX loopback each post runs its copy on the push thread); --window 1 times one at a time
     if args.window > 1:
-        console.print(
+        wide.print(
             f"per-request spans below: window {args.window}, so they include waiting behind other WRITEs"
         )
-    Console(width=180).print(
+    wide.print(
         "per-request p50 (us): trigger -> plan {trigger_to_plan_built}, -> made {trigger_to_made}, "
         "-> posted {trigger_to_posted}, posted -> complete {posted_to_complete}, complete -> decode "
         "ready {complete_to_decode_ready}".format(**tl)
