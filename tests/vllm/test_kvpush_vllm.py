@@ -1,7 +1,7 @@
 """Real vLLM (CPU) + real NIXL: kvpush's connector end to end.
 
-Servers start once per module: a single engine (the reference) and a kvpush prefill/decode pair behind
-the kvpush proxy, all with the fast tiny model (2 layers). A third decode with another model checks
+Servers start once per module: a kvpush prefill/decode pair behind the kvpush proxy, with the fast tiny
+model (2 layers); the reference single engine is the session's (tests/vllm/reference.py). A third decode with another model checks
 that a layout mismatch stops the engine at start-up.
 """
 
@@ -25,8 +25,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client, disconnect_stress
-from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd, start_single
+from kvpush.platforms.vllm.tools.serve_pd import Deployment, EngineSpec, free_port, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
+from tests.vllm.reference import SharedReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -57,11 +58,9 @@ def pd(model: str, logs: Path):
 
 
 @pytest.fixture(scope="module")
-def single(model: str, logs: Path, pd):
-    # Started after the P/D pair is up so the two start-ups do not fight for the 2 cores.
-    dep = start_single(model, logs, cores="0")
-    yield dep
-    dep.stop()
+def single(pd, fast_reference: SharedReference) -> Deployment:
+    # Asked for after the P/D pair is up so the two start-ups do not fight for the 2 cores.
+    return fast_reference.get()
 
 
 def _stats(dep, role: str) -> dict:

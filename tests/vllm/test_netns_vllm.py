@@ -5,8 +5,9 @@ Each engine is started by scripts/serve_pd.sh the way docs/deploy.md tells a use
 HMAC_KEY_FILE, the script's defaults otherwise (ports, KV_HOST = the node's own address, no network device
 named), CPU settings only where a GPU default cannot apply (KV_BUFFER_DEVICE, KV_BACKENDS, the tiny
 model). One module-scoped pair of engines serves both fronts: `kvpush proxy` (serve_pd.sh ROLE=proxy,
-on host A), then vllm-router on host A. A single engine in the root namespace is the reference. Last,
-every log line and every command line of the keyed run is searched for the key.
+on host A), then vllm-router on host A. The session's single engine in the root namespace is the
+reference (tests/vllm/reference.py). Last, every log line and every command line of the keyed run is
+searched for the key.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import Deployment, start_single
+from kvpush.platforms.vllm.tools.serve_pd import Deployment
 from kvpush.platforms.vllm.tools.tiny_model import build
 from kvpush.platforms.vllm.tools.vllm_router import router_argv
 from tests.netns import ADDR_A, ADDR_B, TwoHosts, host_env, two_hosts_module  # noqa: F401 (fixture)
+from tests.vllm.reference import SharedReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -108,7 +110,11 @@ def _group(pgid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def bed(two_hosts_module: TwoHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:  # noqa: F811
+def bed(
+    two_hosts_module: TwoHosts,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory,
+    fast_reference: SharedReference,
+) -> Iterator[Bed]:
     hosts = two_hosts_module
     out = tmp_path_factory.mktemp("netns-vllm")
     key = os.urandom(32)
@@ -142,14 +148,13 @@ def bed(two_hosts_module: TwoHosts, tmp_path_factory: pytest.TempPathFactory) ->
         PYTHONUNBUFFERED="1",
     )
     procs: list[subprocess.Popen[str]] = []
-    single: Deployment | None = None
     try:
         prefill = _serve(hosts, hosts.ns_a, "prefill", {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}, out)
         procs.append(prefill)
         decode_env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "1", "PREFILL_HOST": ADDR_A}
         decode = _serve(hosts, hosts.ns_b, "decode", decode_env, out)
         procs.append(decode)
-        single = start_single(model, out, cores="0", max_model_len=4096)  # meanwhile, the reference
+        single = fast_reference.get()  # meanwhile, the reference (the session's; up already if shared)
         _finish(prefill, "prefill", out)
         _finish(decode, "decode", out)
         proxy_env = {**env, "PREFILL_HOST": ADDR_A, "DECODE_HOST": ADDR_B, "EXTRA_ARGS": ""}  # vLLM's only
@@ -171,8 +176,6 @@ def bed(two_hosts_module: TwoHosts, tmp_path_factory: pytest.TempPathFactory) ->
             timeout=120,
             check=False,
         )
-        if single is not None:
-            single.stop()
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,12 @@
 """Real vLLM (CPU) + real NIXL behind vLLM's own router (`vllm-router`, PyPI) instead of kvpush's proxy.
 
 One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-pd-disaggregation`
-(its default `nixl` mode), a single engine as the reference; then the same prefill fanned out to a second
-decode (1P2D) behind a second router, sharing the 1P1D engines (one more start-up, with the reference
-stopped first: at most three engines up). Also: kvpush's figures on vLLM's own /metrics (the
+(its default `nixl` mode), the session's single engine as the reference (tests/vllm/reference.py); then
+the same prefill fanned out to a second decode (1P2D) behind a second router, sharing the 1P1D engines
+(one more start-up; the idle reference stays up). Also: kvpush's figures on vLLM's own /metrics (the
 connector-stats hooks), and a mismatched pair that never reaches the router.
-Five engine start-ups (P/D, single, the second decode, one refused decode): 11.7 minutes for the module
-on the shared 2-core box at load average ~10-12 (other helpers running); the 1P2D test adds ~2 minutes
-(121 s for the second decode and its router to come up, 8 s of requests).
+Four engine start-ups of its own (P/D, the second decode, one refused decode; the reference too when
+this module runs alone).
 """
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import add_decode, add_router, start_pd, start_single
+from kvpush.platforms.vllm.tools.serve_pd import Deployment, add_decode, add_router, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
+from tests.vllm.reference import SharedReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -59,10 +59,8 @@ def pd(model: str, logs: Path):
 
 
 @pytest.fixture(scope="module")
-def single(model: str, logs: Path, pd):
-    dep = start_single(model, logs, cores="0")
-    yield dep
-    dep.stop()
+def single(pd, fast_reference: SharedReference) -> Deployment:
+    return fast_reference.get()  # after the pair is up: the start-ups share 2 cores
 
 
 def _stats(dep, role: str) -> dict:
@@ -137,7 +135,6 @@ def test_router_fans_one_prefill_out_to_two_decodes(pd, single, model, logs):
     engine's, every request pushed to whichever decode the router picked, both decodes used."""
     prompts = client.make_prompts(8, LENGTHS, seed=13)
     want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
-    single.stop()  # the reference is done: keep at most three engines up
     prefill, decode0 = pd.engines[:2]
     before = len(pd.procs)
     p0, d0 = _stats(pd, "prefill"), _stats(pd, "decode")

@@ -16,8 +16,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import start_pd, start_single
+from kvpush.platforms.vllm.tools.serve_pd import Deployment, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
+from tests.vllm.reference import SharedReference
 from tests.vllm.stats_files import read_stats, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -54,11 +55,6 @@ def start_streamed_pd(model: str, logs: Path, streaming: dict):
     return dep
 
 
-def start_reference(model: str, pd):
-    """The single engine to compare with, started after the pair: the start-ups share 2 cores."""
-    return start_single(model, Path(pd.logs), cores="0")
-
-
 @pytest.fixture(scope="module")
 def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
     dep = start_streamed_pd(model, tmp_path_factory.mktemp("vllm-stream-logs"), {"stream": True})
@@ -67,10 +63,8 @@ def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def single(model: str, pd):
-    dep = start_reference(model, pd)
-    yield dep
-    dep.stop()
+def single(pd, fast_reference: SharedReference) -> Deployment:
+    return fast_reference.get()  # after the pair is up: the start-ups share 2 cores
 
 
 def _stats(dep, role: str) -> dict:
