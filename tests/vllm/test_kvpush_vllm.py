@@ -183,8 +183,16 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
     # A long prompt through the proxy; the client gives up mid-flight (2000 output tokens take seconds
     # even when the prefill is quick, so the 0.3 s timeout always fires before the answer).
     prompt = client.make_prompts(1, [1800], seed=5)[0]
-    with pytest.raises((TimeoutError, urllib.error.URLError, OSError)):
-        client.complete(pd.url, model, prompt, 2000, timeout=0.3)
+    t0 = time.monotonic()
+    try:
+        answer = client.complete(pd.url, model, prompt, 2000, timeout=0.3)
+    except (TimeoutError, urllib.error.URLError, OSError):
+        pass
+    else:  # seen once in CI (2026-12-06), not reproduced: say what came back, and how fast
+        pytest.fail(
+            f"the client did not give up: {len(answer)} tokens answered in {time.monotonic() - t0:.3f} s "
+            f"(a 0.3 s read timeout; 2000 tokens take ~5 s on one core)"
+        )
     # A decode whose prefill never comes: the client gives up while the decode waits for KV.
     push = {
         "do_remote_prefill": True,
