@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvpush.platforms.vllm.tools.serve_pd import Deployment
 from tests.vllm.reference import SharedReference
 
 
@@ -15,3 +16,10 @@ def fast_reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedR
     shared = SharedReference(tmp_path_factory.mktemp("fast-reference"))
     yield shared
     shared.stop()
+
+
+@pytest.fixture(scope="module")
+def single(pd: Deployment, fast_reference: SharedReference) -> Deployment:
+    """The reference for a module whose `pd` pair serves the fast tiny model; asked for after that pair is
+    up, so the two start-ups do not fight for the 2 cores."""
+    return fast_reference.get()

@@ -1,8 +1,8 @@
 """Real vLLM (CPU) + real NIXL: kvpush's connector end to end.
 
 Servers start once per module: a kvpush prefill/decode pair behind the kvpush proxy, with the fast tiny
-model (2 layers); the reference single engine is the session's (tests/vllm/reference.py). A third decode with another model checks
-that a layout mismatch stops the engine at start-up.
+model (2 layers); the reference single engine is the session's (tests/vllm/reference.py). A third decode
+with another model checks that a layout mismatch stops the engine at start-up.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client, disconnect_stress
-from kvpush.platforms.vllm.tools.serve_pd import Deployment, EngineSpec, free_port, start_pd
+from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
-from tests.vllm.reference import SharedReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -55,12 +54,6 @@ def pd(model: str, logs: Path):
     dep.stats_dir = stats  # type: ignore[attr-defined]
     yield dep
     dep.stop()
-
-
-@pytest.fixture(scope="module")
-def single(pd, fast_reference: SharedReference) -> Deployment:
-    # Asked for after the P/D pair is up so the two start-ups do not fight for the 2 cores.
-    return fast_reference.get()
 
 
 def _stats(dep, role: str) -> dict:

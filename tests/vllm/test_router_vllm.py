@@ -23,9 +23,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import Deployment, add_decode, add_router, start_pd
+from kvpush.platforms.vllm.tools.serve_pd import add_decode, add_router, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
-from tests.vllm.reference import SharedReference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -56,11 +55,6 @@ def pd(model: str, logs: Path):
     dep.stats_dir = stats  # type: ignore[attr-defined]
     yield dep
     dep.stop()
-
-
-@pytest.fixture(scope="module")
-def single(pd, fast_reference: SharedReference) -> Deployment:
-    return fast_reference.get()  # after the pair is up: the start-ups share 2 cores
 
 
 def _stats(dep, role: str) -> dict:

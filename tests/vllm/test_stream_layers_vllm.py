@@ -11,9 +11,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import Deployment
 from kvpush.platforms.vllm.tools.tiny_model import build
-from tests.vllm.reference import SharedReference
 from tests.vllm.test_stream_vllm import LENGTHS, MAX_TOKENS, _stats, _wait, start_streamed_pd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -29,11 +27,6 @@ def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
     dep = start_streamed_pd(model, tmp_path_factory.mktemp("vllm-stream-layers-logs"), {"stream_layers": 1})
     yield dep
     dep.stop()
-
-
-@pytest.fixture(scope="module")
-def single(pd, fast_reference: SharedReference) -> Deployment:
-    return fast_reference.get()  # after the pair is up: the start-ups share 2 cores
 
 
 def test_layer_groups_outputs_equal_single_engine_under_concurrency(pd, single, model: str) -> None:

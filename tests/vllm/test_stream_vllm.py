@@ -16,9 +16,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import Deployment, start_pd
+from kvpush.platforms.vllm.tools.serve_pd import start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
-from tests.vllm.reference import SharedReference
 from tests.vllm.stats_files import read_stats, settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -60,11 +59,6 @@ def pd(model: str, tmp_path_factory: pytest.TempPathFactory):
     dep = start_streamed_pd(model, tmp_path_factory.mktemp("vllm-stream-logs"), {"stream": True})
     yield dep
     dep.stop()
-
-
-@pytest.fixture(scope="module")
-def single(pd, fast_reference: SharedReference) -> Deployment:
-    return fast_reference.get()  # after the pair is up: the start-ups share 2 cores
 
 
 def _stats(dep, role: str) -> dict:
