@@ -9,7 +9,9 @@
 # pid to $KVPUSH_RUN_DIR/<name>.pid (default /tmp/kvpush-run). This script signals that group (so the
 # engine's worker processes go too): SIGTERM, then SIGKILL after GRACE seconds (default 30). A pid file
 # whose process is gone, or whose pid is no longer a process-group leader (the pid was reused by an
-# unrelated process), is only removed.
+# unrelated process), is only removed. Once a group is gone, the temporary directory serve_pd.sh gave it
+# and the /dev/shm segments its processes had mapped (vLLM's message queues, which a killed engine
+# never unlinks) are removed too.
 set -euo pipefail
 
 RUN_DIR=${KVPUSH_RUN_DIR:-/tmp/kvpush-run}
@@ -18,6 +20,26 @@ GRACE=${GRACE:-30}
 usage() {
   echo "usage: $0 server|proxy|all" >&2
   exit 2
+}
+
+# The files under /dev/shm that the processes of group $1 map.
+group_shm() {
+  local p
+  for p in $(pgrep -g "$1" 2> /dev/null); do
+    awk '$6 ~ /^\/dev\/shm\// && $7 != "(deleted)" {print $6}' "/proc/$p/maps" 2> /dev/null || true
+  done | sort -u
+}
+
+# The temporary directory serve_pd.sh made for $1 (<name>.tmp names it), removed with its record.
+remove_tmp_dir() {
+  local record=$RUN_DIR/$1.tmp dir
+  [ -f "$record" ] || return 0
+  dir=$(cat "$record")
+  case $dir in
+    */kvpush-"$1"-*) rm -rf -- "$dir" ;;
+    *) echo "$1: $record names $dir, not a directory serve_pd.sh makes; leaving it" >&2 ;;
+  esac
+  rm -f "$record"
 }
 
 # Stop the process group led by the pid in pid file $1.
@@ -37,6 +59,7 @@ stop_from_pid_file() {
   if ! kill -0 "$pid" 2> /dev/null; then
     echo "$name: pid $pid is gone; removing $pid_file"
     rm -f "$pid_file"
+    remove_tmp_dir "$name"
     return 0
   fi
   pgid=$(ps -o pgid= -p "$pid" | tr -d ' ')
@@ -47,6 +70,8 @@ stop_from_pid_file() {
     return 0
   fi
   echo "$name: stopping process group $pid"
+  local shm
+  shm=$(group_shm "$pid")
   kill -TERM -- "-$pid" 2> /dev/null || true
   local waited=0
   while kill -0 -- "-$pid" 2> /dev/null; do
@@ -58,7 +83,16 @@ stop_from_pid_file() {
     sleep 1
     waited=$((waited + 1))
   done
+  waited=0
+  while kill -0 -- "-$pid" 2> /dev/null && [ "$waited" -lt 50 ]; do
+    sleep 0.1 # after SIGKILL: until the kernel has taken the group down
+    waited=$((waited + 1))
+  done
+  if [ -n "$shm" ]; then
+    while IFS= read -r f; do rm -f -- "$f"; done <<< "$shm"
+  fi
   rm -f "$pid_file"
+  remove_tmp_dir "$name"
   echo "$name: stopped"
 }
 

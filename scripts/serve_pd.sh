@@ -237,9 +237,16 @@ if [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2> /dev/null; then
 fi
 
 echo "starting $pid_name ($MODE, $CONNECTOR): log $log_file"
+# A temporary directory of its own (named in $RUN_DIR/<name>.tmp, removed by cleanup.sh): vLLM puts its
+# ipc:// sockets and torch file stores there, and a process stopped by a signal never removes them.
+# torch's compile cache stays where it was, shared between starts.
+tmp_dir=$(mktemp -d "${TMPDIR:-/tmp}/kvpush-$pid_name-XXXXXX")
+echo "$tmp_dir" > "$RUN_DIR/$pid_name.tmp"
+inductor_dir=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}
 # setsid: the server and the workers it forks get a process group of their own, which is what
 # cleanup.sh stops, and nothing else.
-setsid "${CMD[@]}" > "$log_file" 2>&1 < /dev/null &
+TMPDIR=$tmp_dir VLLM_RPC_BASE_PATH=$tmp_dir TORCHINDUCTOR_CACHE_DIR=$inductor_dir \
+  setsid "${CMD[@]}" > "$log_file" 2>&1 < /dev/null &
 pid=$!
 echo "$pid" > "$pid_file"
 

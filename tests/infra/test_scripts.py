@@ -10,6 +10,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -362,6 +363,14 @@ def test_serve_then_cleanup_stops_only_what_it_started(
         time.sleep(0.1)
     assert not _alive(server_pid) and not _alive(worker_pid), "the engine's process group survived cleanup"
     assert unrelated_process.poll() is None, "cleanup.sh killed a process it did not start"
+    # nothing the engine left in the temporary directory or /dev/shm outlives it (vLLM's sockets, file
+    # stores and message queues), and its temporary directory was its own
+    left = {k: Path(v) for k, v in recorded["left"].items()}
+    assert Path(recorded["tmp"]) != Path(tempfile.gettempdir()) and left["socket"].parent == Path(
+        recorded["tmp"]
+    )
+    assert not any(p.exists() for p in left.values()), {k: p.exists() for k, p in left.items()}
+    assert not Path(recorded["tmp"]).exists() and not (tmp_path / "run" / "server-prefill.tmp").exists()
     assert "leaving it alone" in stopped.stderr
     assert not (tmp_path / "run" / "server-prefill.pid").exists()
 

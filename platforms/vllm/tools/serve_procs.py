@@ -4,7 +4,8 @@ Nothing else on the machine is touched.
 
 Each process gets a private temporary directory (TMPDIR and VLLM_RPC_BASE_PATH), removed when it is
 stopped: vLLM puts its ZeroMQ ipc:// sockets and its torch file stores (`vllm_dist_*`) in the temporary
-directory, and an engine stopped by a signal leaves them behind (thousands a day of test runs).
+directory, and an engine stopped by a signal leaves them behind (thousands a day of test runs). Its named
+shared memory in /dev/shm cannot be moved: what the group mapped is unlinked once the group is gone.
 """
 
 from __future__ import annotations
@@ -61,18 +62,65 @@ class Started:
         return "\n".join(lines[-n:])
 
     def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the group, the grace period for all of it to exit (vLLM's engine cores and workers
+        shut down after the API server does), then SIGKILL to what is left. Named shared memory the group
+        had mapped and left behind (vLLM's message queues; a SIGKILLed engine never unlinks them) is
+        removed once the group is gone, and so is the process's temporary directory."""
+        pgid = self.proc.pid
+        shm = group_shm(pgid)
+        deadline = time.monotonic() + grace_s
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(pgid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(grace_s)
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         # Engine children (EngineCore, workers) live in the same group; make sure none outlive us.
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
+        gone_by = time.monotonic() + 5
+        while group_members(pgid) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        for path in shm:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         self._log.close()
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group pgid, from /proc."""
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state ppid pgrp ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry.name))
+    return out
+
+
+def group_shm(pgid: int) -> set[str]:
+    """Files under /dev/shm that the processes of group pgid map (deleted ones aside)."""
+    found = set()
+    for pid in group_members(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            parts = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            path = parts[5] if len(parts) == 6 else ""
+            if path.startswith("/dev/shm/") and not path.endswith(" (deleted)"):
+                found.add(path)
+    return found
 
 
 def private_tmp(env: dict[str, str], tmp_dir: Path) -> dict[str, str]:
