@@ -253,7 +253,8 @@ echo "$pid" > "$pid_file"
 deadline=$((SECONDS + HEALTH_TIMEOUT))
 until curl -fsS -o /dev/null --max-time 5 "$health_url" 2> /dev/null; do
   if ! kill -0 "$pid" 2> /dev/null; then
-    rm -f "$pid_file"
+    rm -f "$pid_file" "$RUN_DIR/$pid_name.tmp"
+    rm -rf -- "$tmp_dir"
     tail -n 30 "$log_file" >&2 || true
     die "$pid_name exited before answering $health_url; see $log_file"
   fi

@@ -380,11 +380,17 @@ def test_serve_then_cleanup_stops_only_what_it_started(
 
 
 def test_serve_reports_an_engine_that_dies(tmp_path: Path) -> None:
-    env = _env(tmp_path, ROLE="decode", VLLM_SERVE="false", HEALTH_POLL="0.2", HEALTH_TIMEOUT="30")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = _env(
+        tmp_path, ROLE="decode", VLLM_SERVE="false", HEALTH_POLL="0.2", HEALTH_TIMEOUT="30", TMPDIR=str(tmp)
+    )
     proc = _script("serve_pd.sh", env)
     assert proc.returncode == 1
     assert "exited before answering" in proc.stderr
     assert not (tmp_path / "run" / "server-decode.pid").exists()
+    # the temporary directory it made for the engine goes with it
+    assert not list(tmp.iterdir()) and not (tmp_path / "run" / "server-decode.tmp").exists()
 
 
 def _sweep(tmp_path: Path, mode: str, **settings: str) -> subprocess.CompletedProcess[str]:

@@ -26,6 +26,7 @@ pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client, disconnect_stress
 from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd
+from kvpush.platforms.vllm.tools.serve_procs import Started
 from kvpush.platforms.vllm.tools.tiny_model import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -380,17 +381,13 @@ def test_layout_mismatch_fails_at_startup(pd, logs: Path) -> None:
     )
     argv, env = spec.command()
     log_path = logs / "mismatch-decode.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(240)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            pytest.fail(f"decode with a mismatched layout kept running; log {log_path}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+    proc = Started("mismatch-decode", argv, env, log_path)  # its group, temporary files and /dev/shm: stop()
+    try:
+        rc = proc.proc.wait(240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"decode with a mismatched layout kept running; log {log_path}")
+    finally:
+        proc.stop()
     text = log_path.read_text(errors="replace")
     assert rc != 0
     assert "cannot receive KV from prefill" in text and "layout mismatch" in text, text[-3000:]
