@@ -15,7 +15,7 @@ writes everything to --json.
 with those extra demo flags, e.g. `--variant no_arm=--no-source-blocks` beside the armed default.
 `armed_per_write` is kvpush_per_write over the small requests whose WRITE was made ahead (source_blocks);
 `registration_last_per_write` / `prefill_done_last_per_write` split it by the event that came last (the
-demo alternates the two orders).
+demo alternates the two orders); `registration_last_<stage>` are that order's own stages.
 
 The base must have the timeline marks (picked, sealed, queued: commit 4d7336b and later); the demo that
 runs is the tree's own.
@@ -60,6 +60,11 @@ KEYS = (
     "copy",
     "trigger_to_posted",
     "prefill_done_call",
+    "registration_last_wake",
+    "registration_last_plan",
+    "registration_last_seal",
+    "registration_last_queue",
+    "registration_last_make",
 )
 
 
@@ -102,6 +107,9 @@ def row(res: dict[str, Any]) -> dict[str, float]:
         got["prefill_done_call"] = float(res["prefill_done_call_us_small"]["p50"])
     for order, cost in tl.get("per_write_by_order", {}).items():  # trees from 2026-12-04 on
         got[f"{order}_per_write"] = float(cost)
+    for stage, cost in tl.get("stages_by_order", {}).get("registration_last", {}).items():  # 2026-12-06 on
+        if stage != "copy":
+            got[f"registration_last_{stage}"] = float(cost)
     armed = res.get("timeline_p50_us_small_armed")
     if armed and armed.get("requests"):
         got["armed_per_write"] = float(armed["kvpush_per_write"])

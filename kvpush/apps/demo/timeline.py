@@ -45,6 +45,9 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
     # registration (a side-channel message, decoded and admitted before the machine sees it)
     wake: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
     per_write: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
+    by_order: dict[str, dict[str, list[float]]] = {
+        order: {name: [] for name, _ in STAGES} for order in per_write
+    }
     for timeline, ready_at in reqs:
         t = timeline or {}
         if not ready_at or not {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(t):
@@ -67,11 +70,13 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
             prev = trigger
             for name, mark in STAGES:
                 stages[name].append(1e6 * (t[mark] - prev))
+                by_order[last][name].append(1e6 * (t[mark] - prev))
                 prev = t[mark]
     out: dict[str, Any] = {k: _p50(v) for k, v in spans.items()}
     out["kvpush_per_write"] = out["trigger_to_made"]
     out["stages"] = {k: _p50(v) for k, v in stages.items()}
     out["wake_by_order"] = {k: _p50(v) for k, v in wake.items()}
     out["per_write_by_order"] = {k: _p50(v) for k, v in per_write.items()}
+    out["stages_by_order"] = {o: {k: _p50(v) for k, v in st.items()} for o, st in by_order.items()}
     out["requests"] = len(spans["trigger_to_posted"])
     return out
