@@ -47,24 +47,17 @@ DEMO = [
     "1",
     "--no-references",
 ]
+STAGE_KEYS = ("wake", "plan", "seal", "queue", "make")  # the timeline's stages before the copy
 KEYS = (
     "kvpush_per_write",
     "armed_per_write",
     "registration_last_per_write",
     "prefill_done_last_per_write",
-    "wake",
-    "plan",
-    "seal",
-    "queue",
-    "make",
+    *STAGE_KEYS,
     "copy",
     "trigger_to_posted",
     "prefill_done_call",
-    "registration_last_wake",
-    "registration_last_plan",
-    "registration_last_seal",
-    "registration_last_queue",
-    "registration_last_make",
+    *(f"registration_last_{stage}" for stage in STAGE_KEYS),
 )
 
 
@@ -107,9 +100,10 @@ def row(res: dict[str, Any]) -> dict[str, float]:
         got["prefill_done_call"] = float(res["prefill_done_call_us_small"]["p50"])
     for order, cost in tl.get("per_write_by_order", {}).items():  # trees from 2026-12-04 on
         got[f"{order}_per_write"] = float(cost)
-    for stage, cost in tl.get("stages_by_order", {}).get("registration_last", {}).items():  # 2026-12-06 on
-        if stage != "copy":
-            got[f"registration_last_{stage}"] = float(cost)
+    last_stages = tl.get("stages_by_order", {}).get("registration_last", {})  # trees from 2026-12-06 on
+    for stage in STAGE_KEYS:
+        if stage in last_stages:
+            got[f"registration_last_{stage}"] = float(last_stages[stage])
     armed = res.get("timeline_p50_us_small_armed")
     if armed and armed.get("requests"):
         got["armed_per_write"] = float(armed["kvpush_per_write"])

@@ -40,42 +40,38 @@ def timeline_us(reqs: Iterable[tuple[Mapping[str, float] | None, float]]) -> dic
         "trigger_to_made": [],
         "made_to_posted": [],
     }
-    stages: dict[str, list[float]] = {name: [] for name, _ in STAGES}
-    # the wake-up differs by which event came last: prefill_done (a command and a doorbell) or the
-    # registration (a side-channel message, decoded and admitted before the machine sees it)
-    wake: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
-    per_write: dict[str, list[float]] = {"prefill_done_last": [], "registration_last": []}
+    # each stage by which event came last: prefill_done (a command and a doorbell) or the registration
+    # (a side-channel message, decoded and admitted before the machine sees it)
+    orders = ("prefill_done_last", "registration_last")
+    per_write: dict[str, list[float]] = {order: [] for order in orders}
     by_order: dict[str, dict[str, list[float]]] = {
-        order: {name: [] for name, _ in STAGES} for order in per_write
+        order: {name: [] for name, _ in STAGES} for order in orders
     }
     for timeline, ready_at in reqs:
         t = timeline or {}
         if not ready_at or not {"registered", "prefill_done", "plan_built", "posted", "complete"} <= set(t):
             continue
         trigger = max(t["registered"], t["prefill_done"])
+        last = orders[0] if t["prefill_done"] >= t["registered"] else orders[1]
         spans["trigger_to_plan_built"].append(1e6 * (t["plan_built"] - trigger))
         spans["trigger_to_posted"].append(1e6 * (t["posted"] - trigger))
-        if t["prefill_done"] >= t["registered"]:
+        if last == orders[0]:
             spans["prefill_done_to_posted"].append(1e6 * (t["posted"] - t["prefill_done"]))
         spans["posted_to_complete"].append(1e6 * (t["complete"] - t["posted"]))
         spans["complete_to_decode_ready"].append(1e6 * (ready_at - t["complete"]))
         if "made" in t:
             spans["trigger_to_made"].append(1e6 * (t["made"] - trigger))
-            last = "prefill_done_last" if t["prefill_done"] >= t["registered"] else "registration_last"
             per_write[last].append(1e6 * (t["made"] - trigger))
             spans["made_to_posted"].append(1e6 * (t["posted"] - t["made"]))
         if all(mark in t for _, mark in STAGES):
-            last = "prefill_done_last" if t["prefill_done"] >= t["registered"] else "registration_last"
-            wake[last].append(1e6 * (t["picked"] - trigger))
             prev = trigger
             for name, mark in STAGES:
-                stages[name].append(1e6 * (t[mark] - prev))
                 by_order[last][name].append(1e6 * (t[mark] - prev))
                 prev = t[mark]
     out: dict[str, Any] = {k: _p50(v) for k, v in spans.items()}
     out["kvpush_per_write"] = out["trigger_to_made"]
-    out["stages"] = {k: _p50(v) for k, v in stages.items()}
-    out["wake_by_order"] = {k: _p50(v) for k, v in wake.items()}
+    out["stages"] = {name: _p50([v for o in orders for v in by_order[o][name]]) for name, _ in STAGES}
+    out["wake_by_order"] = {o: _p50(by_order[o]["wake"]) for o in orders}
     out["per_write_by_order"] = {k: _p50(v) for k, v in per_write.items()}
     out["stages_by_order"] = {o: {k: _p50(v) for k, v in st.items()} for o, st in by_order.items()}
     out["requests"] = len(spans["trigger_to_posted"])
