@@ -239,8 +239,11 @@ class Half:
     pair: PairUnits
     block_ids: TableArg  # as given; a plan uses the half only for this very table
     num_tokens: int
-    pieces: list[int]
+    pieces: list[int]  # a source half's sorted ascending (the plan's order); a destination's as planned
     idx: I32  # every plane's pieces (planes in ascending source order), as the plan posts them
+    # a source half: the order that sorted its pieces (None: they were ascending already); the other
+    # side's pieces follow it at the trigger, so a shuffled source table keeps its half
+    order: list[int] | None = None
 
     def fits(self, pair: PairUnits, block_ids: TableArg, num_tokens: int) -> bool:
         return self.pair is pair and self.num_tokens == num_tokens and self.block_ids == block_ids
@@ -255,9 +258,20 @@ def half_plan(pair: PairUnits, dst: bool, block_ids: TableArg, num_tokens: int) 
     if moved is None or table is None:
         return None
     pieces = _pieces_py(layout, side, pair, table, moved)
+    order = None if dst else _sorting(pieces)
+    if order is not None:
+        pieces = [pieces[i] for i in order]
     pl = _planes(pair, None)
     idx = np.add.outer(pl.d_base if dst else pl.s_base, np.asarray(pieces, dtype=np.int32)).ravel()
-    return Half(pair, block_ids, num_tokens, pieces, idx)
+    return Half(pair, block_ids, num_tokens, pieces, idx, order)
+
+
+def _sorting(pieces: list[int]) -> list[int] | None:
+    """The stable order that sorts source pieces ascending (as the array path's argsort), or None when
+    they already are (the common case: a table of ascending blocks)."""
+    if all(b > a for a, b in itertools.pairwise(pieces)):
+        return None
+    return sorted(range(len(pieces)), key=pieces.__getitem__)
 
 
 def _small_plan(
@@ -274,12 +288,17 @@ def _small_plan(
     (source, destination) sides made before (whole requests only), or None."""
     src, dst = pair.src, pair.dst
     s_half, d_half = halves
-    s_p = s_half.pieces if s_half else _pieces_py(src, pair.s, pair, s_tab, num_tokens)
+    if s_half:  # already in the plan's order, and with the order that sorted it
+        s_p, order = s_half.pieces, s_half.order
+    else:
+        s_p = _pieces_py(src, pair.s, pair, s_tab, num_tokens)
+        order = _sorting(s_p)
+        if order is not None:
+            s_p = [s_p[i] for i in order]
     d_p = d_half.pieces if d_half else _pieces_py(dst, pair.d, pair, d_tab, num_tokens)
-    if any(b <= a for a, b in itertools.pairwise(s_p)):
-        order = sorted(range(len(s_p)), key=s_p.__getitem__)  # stable, as the array path's argsort
-        s_p, d_p = [s_p[i] for i in order], [d_p[i] for i in order]
-        s_half = d_half = None  # their indices follow the unsorted pieces
+    if order is not None:  # the destination's pieces follow the source's sorted order
+        d_p = [d_p[i] for i in order]
+        d_half = None  # its indices follow the unsorted pieces
     pl = _planes(pair, layers)
     n_planes = int(pl.s_base.shape[0])
     s_idx = s_half.idx if s_half else np.add.outer(pl.s_base, np.asarray(s_p, dtype=np.int32)).ravel()

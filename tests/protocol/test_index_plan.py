@@ -215,12 +215,13 @@ def test_halves_made_before_the_trigger_plan_the_same(sc, with_src, with_dst, st
         return
     small = prepared._small_moved(pair, n) is not None
     assert (s_half is not None) == (with_src and small) and (d_half is not None) == (with_dst and small)
-    if small:  # used, not recomputed, unless the source pieces had to be sorted (the halves' order)
+    if small:  # used, not recomputed; the destination's only where the source needed no sorting
         src_half = prepared.half_plan(pair, False, s_tab, n)
         assert src_half is not None
-        ascending = all(b > a for a, b in itertools.pairwise(src_half.pieces))
+        assert all(b > a for a, b in itertools.pairwise(src_half.pieces))  # kept in the plan's order
+        ascending = src_half.order is None
         assert (d_half is not None and got.dst_idx is d_half.idx) == (d_half is not None and ascending)
-        assert (s_half is not None and got.src_idx is s_half.idx) == (s_half is not None and ascending)
+        assert (s_half is not None and got.src_idx is s_half.idx) == (s_half is not None)
 
 
 def test_half_for_a_table_that_does_not_check_is_none():
