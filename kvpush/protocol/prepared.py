@@ -257,21 +257,21 @@ def half_plan(pair: PairUnits, dst: bool, block_ids: TableArg, num_tokens: int) 
     table = None if moved is None else plain_table(layout, block_ids, num_tokens)
     if moved is None or table is None:
         return None
-    pieces = _pieces_py(layout, side, pair, table, moved)
-    order = None if dst else _sorting(pieces)
-    if order is not None:
-        pieces = [pieces[i] for i in order]
+    pieces, order = _pieces_py(layout, side, pair, table, moved), None
+    if not dst:
+        pieces, order = _in_source_order(pieces)
     pl = _planes(pair, None)
     idx = np.add.outer(pl.d_base if dst else pl.s_base, np.asarray(pieces, dtype=np.int32)).ravel()
     return Half(pair, block_ids, num_tokens, pieces, idx, order)
 
 
-def _sorting(pieces: list[int]) -> list[int] | None:
-    """The stable order that sorts source pieces ascending (as the array path's argsort), or None when
-    they already are (the common case: a table of ascending blocks)."""
+def _in_source_order(pieces: list[int]) -> tuple[list[int], list[int] | None]:
+    """Source pieces sorted ascending (stable, as the array path's argsort) and the order that sorted
+    them, None when they already were (the common case: a table of ascending blocks)."""
     if all(b > a for a, b in itertools.pairwise(pieces)):
-        return None
-    return sorted(range(len(pieces)), key=pieces.__getitem__)
+        return pieces, None
+    order = sorted(range(len(pieces)), key=pieces.__getitem__)
+    return [pieces[i] for i in order], order
 
 
 def _small_plan(
@@ -291,10 +291,7 @@ def _small_plan(
     if s_half:  # already in the plan's order, and with the order that sorted it
         s_p, order = s_half.pieces, s_half.order
     else:
-        s_p = _pieces_py(src, pair.s, pair, s_tab, num_tokens)
-        order = _sorting(s_p)
-        if order is not None:
-            s_p = [s_p[i] for i in order]
+        s_p, order = _in_source_order(_pieces_py(src, pair.s, pair, s_tab, num_tokens))
     d_p = d_half.pieces if d_half else _pieces_py(dst, pair.d, pair, d_tab, num_tokens)
     if order is not None:  # the destination's pieces follow the source's sorted order
         d_p = [d_p[i] for i in order]
