@@ -73,6 +73,11 @@ def test_kv_written_by_a_slow_kernel_is_not_pushed_early(mode: str, tmp_path: Pa
                 pat_parts.append(pattern(layer, kv, s, lay.block_bytes))
     idx = torch.from_numpy(np.concatenate(idx_parts)).cuda()
     pat = torch.from_numpy(np.concatenate(pat_parts)).cuda()
+    # The kernel the engine thread queues behind the sleep, launched once here on a scratch copy: CUDA
+    # loads a kernel on its first launch (lazy loading, Linux's default since CUDA 12.2) and a load may
+    # wait for the context to go idle, i.e. for the 2 s sleep. The 2026-12-04 [vram] failure fits that:
+    # "vram" runs first, so its index_copy_ was the process's first; "staged", second, passed.
+    torch.zeros_like(src.tensor).index_copy_(0, idx, pat)
     torch.cuda.synchronize()
 
     staging = HostStaging(src) if mode == "staged" else None
