@@ -1,6 +1,8 @@
 """`kvpush soak` in CI: a short chaos run over real NIXL must end with zero leaks, corruption, stale writes
 and accepted attacks, after actually injecting every kind of fault; and the byte, stale and leak counters
 must be able to rise (--self-check breaks the harness on purpose), or their zeros would mean nothing.
+Half the requests are streamed (kv_ready range by range over several loop rounds), some aborted by the
+prefill mid-stream.
 (--self-check unauthorized, a key holder's aborts, does not reliably land on a live request yet.)"""
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def test_a_short_soak_injects_every_fault_and_ends_with_zeros(tmp_path):
     assert not missing, f"faults never injected: {missing}"
     assert res["restarts"]["prefill"] >= 1 and res["restarts"]["decode"] >= 1
     assert res["completed"] >= 100, res["failed_with_reason"]  # faults hit some, not all
+    # about half the requests stream (kv_ready by layer, by prefill chunk, or both) across the prefill's
+    # loop rounds, so the faults above land mid-stream; every shape completes somewhere in the run
+    streamed = res["streamed"]
+    assert set(streamed["completed"]) == {"layers", "chunks", "chunk_layers"}, streamed
+    assert streamed["ranges_reported"] > sum(streamed["started"].values()), streamed
+    assert streamed["aborted_mid_stream_by_prefill"] >= 1, streamed
     assert rc == 0
 
 
@@ -49,6 +57,7 @@ def test_a_short_soak_injects_every_fault_and_ends_with_zeros(tmp_path):
         ("corrupt", "corrupt_bytes"),
         ("stale", "stale_writes"),
         ("leak", "leaked_blocks_prefill"),
+        ("early", "corrupt_bytes"),  # streamed ranges reported a loop round before their KV is written
     ],
 )
 def test_each_counter_rises_when_the_harness_is_broken_on_purpose(tmp_path, check, counter):

@@ -31,6 +31,7 @@ class Req:
     attacked: bool = False
     settled: bool = False
     hijacked: bool = False
+    shape: str = "whole"  # how the prefill reports its KV (stream.py SHAPES)
 
 
 def _pool(num_blocks: int, seed: int) -> BlockPool:

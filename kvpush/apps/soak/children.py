@@ -78,7 +78,7 @@ class Children:
         seed = self.seed * 1000 + 10 * gen + (1 if role == "decode" else 0)
         if role == "prefill":
             target: Any = prefill_main
-            args: tuple[Any, ...] = (child, self.p_geo, self.port, self.rates, seed)
+            args: tuple[Any, ...] = (child, self.p_geo, self.port, self.rates, seed, self.check)
         elif role == "decode":
             target = decode_main
             args = (child, self.d_geo, ("127.0.0.1", self.dial_port), self.rates, seed, self.check)

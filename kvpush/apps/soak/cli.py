@@ -24,11 +24,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-blocks", type=int, default=1024)
     p.add_argument("--decode-blocks", type=int, default=640)
     p.add_argument(
+        "--stream-share",
+        type=float,
+        default=0.5,
+        help="share of requests the prefill reports range by range (kv_ready: by layer, by prefill "
+        "chunk, or both) across its loop rounds, so faults land mid-stream",
+    )
+    p.add_argument(
         "--self-check",
         choices=["", *SELF_CHECKS],
         default="",
         help="break the harness on purpose (a wrong byte, a late byte, a lost block, an accepted "
-        "handshake) to see the matching counter rise",
+        "handshake, streamed ranges reported before their KV is written) to see the matching "
+        "counter rise",
     )
 
 
@@ -56,6 +64,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--json", args.json_path]
     if args.self_check:
         out += ["--self-check", args.self_check]
+    out += ["--stream-share", str(args.stream_share)]
     return out
 
 

@@ -4,7 +4,7 @@ and the small geometry and short timeouts that let a 2-core box cycle through ma
 from __future__ import annotations
 
 from kvpush.apps.demo.procs import Geometry
-from kvpush.config import KVPushConfig, Leases, Liveness, Security, SideChannel
+from kvpush.config import KVPushConfig, Leases, Liveness, Security, SideChannel, Streaming
 from kvpush.transport.faults import FAULT_KINDS as TRANSPORT_FAULTS
 
 PREFILL_ID, DECODE_ID = "soak-prefill", "soak-decode"
@@ -29,9 +29,10 @@ DRIVER_FAULTS = (
     "huge_tp",  # a key holder's Hello declaring decode TP 65,536 with 2 KV heads
     "reset_side_channel",  # a relay between decode and prefill resets (and maybe black-holes) the flow
     "long_prompt",  # an extra request of many blocks
+    "abort_mid_stream",  # the prefill aborts a streamed request after some of its ranges (stream.py)
 )
 FAULT_KINDS = DRIVER_FAULTS + TRANSPORT_FAULTS
-SELF_CHECKS = ("corrupt", "stale", "leak", "unauthorized")
+SELF_CHECKS = ("corrupt", "stale", "leak", "unauthorized", "early")
 # the transport faults' rates with --faults all (per notification or per WRITE)
 TRANSPORT_RATES = {
     "notif_drop": 0.02,
@@ -65,4 +66,7 @@ def soak_config(engine_id: str, port: int) -> KVPushConfig:
             lease_s=2.0, ready_timeout_s=3.0, write_timeout_s=0.8, write_linger_s=0.3, tombstone_s=30.0
         ),
         liveness=Liveness(ping_interval_s=0.25, peer_timeout_s=1.5, handshake_timeout_s=3.0),
+        # streamed requests of 256 tokens and more move range by range (a layer of 256 tokens: 128 KiB);
+        # shorter ones are held until prefill_done (endpoint/early.py): the soak runs both paths
+        streaming=Streaming(min_tokens=256, min_bytes=16 * 1024),
     )

@@ -18,6 +18,7 @@ from kvpush.apps.soak.children import Children, Proc
 from kvpush.apps.soak.common import DRIVER_FAULTS, TRANSPORT_RATES, soak_config, soak_geometry
 from kvpush.apps.soak.relay import Relay
 from kvpush.apps.soak.report import build_report
+from kvpush.apps.soak.stream import STREAMED
 
 CROSS_AUDIT_S = 8.0  # past the attack registration's expiry and WRITE bound: audit the lent blocks
 
@@ -57,6 +58,11 @@ class Soak:
         self.captures = 0
         self.hello_answers = 0  # Hellos the prefill answered to the attacker (they bind nothing)
         self.pending_attacks: list[tuple[float, str]] = []  # (when, kind)
+        # streamed requests: their own generator, so the fault schedule of a seed does not move
+        self.stream_rng = random.Random(args.seed + 7)
+        self.mid_stream_owed = 0  # abort_mid_stream faults waiting for the next streamed request
+        self.stream_ranges = 0  # kv_ready calls the prefill made, over all its incarnations
+        self.mid_stream_aborted = 0  # streamed requests the prefill aborted itself after some ranges
 
     # -- messages ----------------------------------------------------------------------------------
     def pump(self, timeout: float) -> None:
@@ -80,6 +86,9 @@ class Soak:
         kind = msg[0]
         if kind == "faults":
             self.faults.update(msg[1])
+        elif kind == "stream_end":
+            self.stream_ranges += msg[2]
+            self.mid_stream_aborted += int(msg[3])
         elif kind == "released" and p is self.kids.prefill:
             _, rid, _ok, reason, blocks = msg
             self.book.on_released(p.gen, rid, reason, blocks)
@@ -118,7 +127,7 @@ class Soak:
         if p_blocks is None:
             return False
         r = self.book.reqs[rid]
-        prefill_cmd = ("prefill", r.rid, p_blocks, n, r.tag)
+        prefill_cmd = self._prefill_cmd(r, p_blocks)
         if self.rng.random() < 0.5:
             self._expect(r)
             self.kids.send(self.kids.prefill, prefill_cmd)
@@ -126,6 +135,18 @@ class Soak:
             self.kids.send(self.kids.prefill, prefill_cmd)
             self._expect(r)
         return True
+
+    def _prefill_cmd(self, r: Req, p_blocks: list[int]) -> tuple[object, ...]:
+        """The prefill's command for a new request: its shape (whole or streamed, --stream-share) and, for
+        an owed abort_mid_stream, after how many steps the prefill aborts it (a layer stream: 4 ranges)."""
+        abort_after = -1
+        if self.mid_stream_owed:
+            self.mid_stream_owed -= 1
+            self.faults["abort_mid_stream"] += 1
+            r.shape, abort_after = "layers", self.stream_rng.randint(1, 4)
+        elif self.stream_rng.random() < self.args.stream_share:
+            r.shape = self.stream_rng.choice(STREAMED)
+        return ("prefill", r.rid, p_blocks, r.n, r.tag, r.shape, abort_after)
 
     def _expect(self, r: Req) -> bool:
         assert self.kids.decode is not None
@@ -165,6 +186,9 @@ class Soak:
             if not self.heal_at and self.rng.random() < 0.5:  # and nothing gets through for a while
                 self.relay.blackhole = True
                 self.heal_at = time.monotonic() + self.rng.uniform(0.2, 2.0)
+        elif kind == "abort_mid_stream":
+            self.mid_stream_owed += 1  # counted when the next request carries it (_prefill_cmd)
+            return True
         elif kind == "long_prompt":
             if not self._long_prompt():
                 return False
@@ -188,7 +212,7 @@ class Soak:
         self.long_prompts.append(rid)
         r = self.book.reqs[rid]
         self._expect(r)
-        self.kids.send(self.kids.prefill, ("prefill", r.rid, p_blocks, n, r.tag))
+        self.kids.send(self.kids.prefill, self._prefill_cmd(r, p_blocks))
         return True
 
     def _holder_attack(self, kind: str) -> bool:

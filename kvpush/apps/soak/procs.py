@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 from kvpush.apps.demo.pattern import count_dirty_bytes, count_wrong_bytes, fill, scrub
 from kvpush.apps.demo.procs import Geometry
 from kvpush.apps.soak.common import DECODE_ID, PREFILL_ID, soak_config
+from kvpush.apps.soak.stream import StreamedPrefill
 from kvpush.apps.soak.tap import FrameTapControl
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
@@ -45,7 +46,9 @@ def _send_faults(conn: Connection, injectors: list[FaultInjectingTransport]) -> 
             conn.send(("faults", counts))
 
 
-def prefill_main(conn: Connection, geo: Geometry, port: int, rates: dict[str, float], seed: int) -> None:
+def prefill_main(
+    conn: Connection, geo: Geometry, port: int, rates: dict[str, float], seed: int, check: str
+) -> None:
     """The prefill engine: fills a request's source blocks with its pattern, hands them over, and gives
     the driver each block table back once the endpoint reports the request finished."""
     from kvpush.backends.host import HostKVCache
@@ -58,21 +61,29 @@ def prefill_main(conn: Connection, geo: Geometry, port: int, rates: dict[str, fl
         cfg, cache.layout, transport=_nixl_with_faults(cfg, "prefill", rates, seed, injectors)
     )
     ep.start()
+    streams = StreamedPrefill(ep, cache.buffer, cache.layout, late_writes=check == "early")
     conn.send(("up", ep.address))
     try:
         while True:
             if conn.poll(0.002):
                 cmd = conn.recv()
                 if cmd[0] == "prefill":
-                    _, rid, blocks, n, tag = cmd
-                    fill(cache.buffer, cache.layout, blocks, n, tag)
-                    ep.prefill_done(rid, blocks, n)
+                    _, rid, blocks, n, tag, shape, abort_after = cmd
+                    if shape == "whole":
+                        fill(cache.buffer, cache.layout, blocks, n, tag)
+                        ep.prefill_done(rid, blocks, n)
+                    else:
+                        streams.start(rid, blocks, n, tag, shape, abort_after)
                 elif cmd[0] == "abort":
+                    streams.abort(cmd[1])
                     ep.abort(cmd[1], "soak: aborted by the prefill engine")
                 elif cmd[0] == "stats":
                     conn.send(("stats", ep.stats(), ep.pending()))
                 elif cmd[0] == "stop":
                     break
+            streams.step()
+            for rid, ranges, self_aborted in streams.take_ended():
+                conn.send(("stream_end", rid, ranges, self_aborted))
             for res in ep.finished():
                 conn.send(("released", res.request_id, res.ok, res.reason, list(res.block_ids)))
             _send_faults(conn, injectors)

@@ -25,6 +25,8 @@ class SoakRun(Protocol):
     cross_peer_writes: int
     huge_tp_accepted: int
     long_prompts: list[str]
+    stream_ranges: int
+    mid_stream_aborted: int
 
 
 FAIL_ON = (
@@ -99,6 +101,14 @@ def build_report(
             "completed": sum(1 for rid in soak.long_prompts if book.reqs[rid].outcome == "completed"),
             "tokens": book.reqs[soak.long_prompts[0]].n if soak.long_prompts else 0,
         },
+        "streamed": {
+            "started": dict(Counter(r.shape for r in reqs if r.shape != "whole")),
+            "completed": dict(
+                Counter(r.shape for r in reqs if r.shape != "whole" and r.outcome == "completed")
+            ),
+            "ranges_reported": soak.stream_ranges,
+            "aborted_mid_stream_by_prefill": soak.mid_stream_aborted,
+        },
         "faults_injected": {k: soak.faults.get(k, 0) for k in FAULT_KINDS},
         "attacker_frames_sent": dict(soak.attacks),
         "attacker_hello_answers": soak.hello_answers,
@@ -127,6 +137,12 @@ def print_report(report: dict[str, Any], args: argparse.Namespace) -> int:
         table.add_row(key, str(report[key]))
     longs = report["long_prompts"]
     table.add_row("long prompts completed / started", f"{longs['completed']} / {longs['started']}")
+    streamed = report["streamed"]
+    table.add_row(
+        "streamed completed / started",
+        f"{sum(streamed['completed'].values())} / {sum(streamed['started'].values())}",
+    )
+    table.add_row("streamed ranges reported", str(streamed["ranges_reported"]))
     table.add_row("failed", str(report["failed_with_reason"]["count"]))
     for kind, count in report["failed_with_reason"]["by_kind"].items():
         table.add_row(f"  failed: {kind}", str(count))
