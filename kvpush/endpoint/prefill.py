@@ -475,9 +475,9 @@ class PrefillEndpoint(Endpoint[SendResult]):
     ) -> None:
         """Streamed push: the first `num_tokens` tokens of layers [layers[0], layers[1]) (None: all) are
         computed into block_ids (a prefix of the table prefill_done will give). Their WRITEs may start now;
-        prefill_done stays the terminal call. From the first kv_ready the blocks are the endpoint's until
-        its SendResult (after prefill_done, or abort()). kv_written: this range's barrier, as in
-        prefill_done; every barrier reported so far is called before a WRITE reads the blocks. Below
+        prefill_done stays the terminal call, after abort() too: from the first kv_ready the blocks are
+        the endpoint's until its SendResult, which only prefill_done brings. kv_written: this range's
+        barrier, as in prefill_done; every barrier reported so far is called before a WRITE reads them. Below
         stream_min_tokens nothing can move yet: the call waits here for the request's next one (early.py).
         """
         blocks = stream_table(self.layout, request_id, block_ids, num_tokens)

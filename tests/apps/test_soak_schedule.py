@@ -86,3 +86,17 @@ def test_a_kind_owed_and_due_again_is_tried_once_per_request() -> None:
     assert loop.run() == {"cross_peer": 1, "huge_tp": 1}
     cross = [i for i, k in loop.tries if k == "cross_peer"]
     assert cross == [1, 2, 3, 4, 5, 6]  # never twice at one request, fired at 6
+
+
+def test_faults_flag_takes_all_none_or_named_kinds_and_names_an_unknown_one():
+    from kvpush.apps.soak.common import FAULT_KINDS, chosen_faults
+
+    assert chosen_faults("all") == FAULT_KINDS and chosen_faults("none") == ()
+    assert chosen_faults("abort_mid_stream, kill_decode") == ("abort_mid_stream", "kill_decode")
+    for bad in ("abort_mid_stream,sideways", ","):
+        try:
+            chosen_faults(bad)
+        except ValueError as exc:
+            assert "unknown fault kind" in str(exc) and ("sideways" in str(exc) or "','" in str(exc))
+        else:
+            raise AssertionError(f"{bad!r} accepted")

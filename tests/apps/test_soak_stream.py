@@ -99,24 +99,31 @@ def test_late_writes_report_ranges_before_their_bytes():
 
 
 @pytest.mark.parametrize("abort_after", [0, 1, 3, 4, 99])
-def test_a_self_abort_comes_after_a_range_and_before_prefill_done(abort_after):
-    ep, streams, _ = run("layers", 300, abort_after=abort_after)
+def test_a_self_abort_comes_after_a_range_and_is_ended_by_prefill_done(abort_after):
+    """Aborted mid-stream, then the terminal prefill_done a round later (docs/contract.md: only it brings
+    the SendResult; a soak that skipped it stalled a 10,000-request run on blocks never given back)."""
+    ep, streams, blocks = run("layers", 300, abort_after=abort_after)
     kinds = [c[0] for c in ep.calls]
-    assert kinds[-1] == "abort" and "prefill_done" not in kinds
-    reported = kinds.count("kv_ready")
-    assert reported == min(max(1, abort_after), 4)
+    reported = min(max(1, abort_after), 4)
+    assert kinds == ["kv_ready"] * reported + ["abort", "prefill_done"]
+    assert ep.calls[-1][1] == blocks and ep.calls[-1][2] == 300
     assert streams.take_ended() == [("r", reported, True)]
 
 
-def test_a_driver_abort_stops_the_stream():
+def test_a_driver_abort_stops_the_stream_and_prefill_done_ends_it():
     cache = HostKVCache(soak_geometry(16, 64).layout(0))
     ep = Recorder(cache)
     streams = StreamedPrefill(ep, cache.buffer, cache.layout)  # type: ignore[arg-type]
     streams.start("r", [1, 2, 3], 40, TAG, "layers", -1)
-    streams.abort("r")
+    streams.aborted("r")  # the engine called ep.abort("r")
     streams.step()
-    assert [c[0] for c in ep.calls] == ["kv_ready"] and not streams.live
+    streams.step()
+    assert [c[0] for c in ep.calls] == ["kv_ready", "prefill_done"] and not streams.live
+    assert ep.calls[-1][1:3] == ([1, 2, 3], 40)
     assert streams.take_ended() == [("r", 1, False)]
+    streams.aborted("r")  # ended already: nothing more
+    streams.step()
+    assert len(ep.calls) == 2
 
 
 def test_an_unknown_shape_is_refused_by_name():

@@ -8,14 +8,19 @@ import os
 import signal
 from typing import Any
 
-from kvpush.apps.soak.common import SELF_CHECKS
+from kvpush.apps.soak.common import SELF_CHECKS, chosen_faults
 from kvpush.apps.soak.driver import Soak
 from kvpush.apps.soak.report import print_report
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--faults", choices=["all", "none"], default="all")
+    p.add_argument(
+        "--faults",
+        type=_faults,
+        default="all",
+        help="all, none, or fault kinds separated by commas (kvpush.apps.soak.FAULT_KINDS)",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="write the report here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=8, help="requests in flight at once")
@@ -66,6 +71,14 @@ def _argv(args: argparse.Namespace) -> list[str]:
         out += ["--self-check", args.self_check]
     out += ["--stream-share", str(args.stream_share)]
     return out
+
+
+def _faults(spec: str) -> str:
+    try:
+        chosen_faults(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec
 
 
 def _interrupt(_signum: int, _frame: Any) -> None:

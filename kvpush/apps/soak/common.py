@@ -43,6 +43,20 @@ TRANSPORT_RATES = {
 }
 
 
+def chosen_faults(spec: str) -> tuple[str, ...]:
+    """`--faults`: "all", "none", or kinds separated by commas (e.g. "abort_mid_stream,abort_prefill", a
+    run with aborts and no kills, where a block that never comes back cannot be reclaimed by a restart)."""
+    if spec == "all":
+        return FAULT_KINDS
+    if spec == "none":
+        return ()
+    kinds = tuple(k.strip() for k in spec.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in FAULT_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown fault kind(s) {unknown or [spec]}: use all, none or some of {FAULT_KINDS}")
+    return kinds
+
+
 def soak_geometry(block_size: int, num_blocks: int) -> Geometry:
     """Small caches (2 KiB per token) so a 2-core box moves many requests; the pattern checks every byte."""
     return Geometry(

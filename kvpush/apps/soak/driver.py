@@ -15,7 +15,13 @@ from typing import Any
 from kvpush.apps.ports import free_port_range
 from kvpush.apps.soak.book import Book, Req
 from kvpush.apps.soak.children import Children, Proc
-from kvpush.apps.soak.common import DRIVER_FAULTS, TRANSPORT_RATES, soak_config, soak_geometry
+from kvpush.apps.soak.common import (
+    DRIVER_FAULTS,
+    TRANSPORT_RATES,
+    chosen_faults,
+    soak_config,
+    soak_geometry,
+)
 from kvpush.apps.soak.relay import Relay
 from kvpush.apps.soak.report import build_report
 from kvpush.apps.soak.stream import STREAMED
@@ -30,7 +36,8 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.check: str = args.self_check
-        rates = dict(TRANSPORT_RATES) if args.faults == "all" else {}
+        self.kinds = chosen_faults(args.faults)
+        rates = {k: rate for k, rate in TRANSPORT_RATES.items() if k in self.kinds}
         self.book = Book(
             soak_geometry(16, args.prefill_blocks), soak_geometry(32, args.decode_blocks), args.seed
         )
@@ -308,16 +315,16 @@ class Soak:
         if self.check == "unauthorized":  # self-check: a key holder's abort, a few times
             for k in range(6):
                 out.setdefault(int(n * (0.2 + 0.1 * k)), []).append("self_check")
-        if self.args.faults != "all":
+        kinds = [k for k in DRIVER_FAULTS if k in self.kinds]
+        if not kinds:
             return out
-        kinds = list(DRIVER_FAULTS)
         self.rng.shuffle(kinds)
         for k, kind in enumerate(kinds):
             at = int(n * (0.05 + 0.85 * (k + self.rng.random()) / len(kinds)))
             out.setdefault(min(at, n - 1), []).append(kind)
         for i in range(n):
             if self.rng.random() < self.args.fault_rate:
-                out.setdefault(i, []).append(self.rng.choice(DRIVER_FAULTS))
+                out.setdefault(i, []).append(self.rng.choice(kinds))
         return out
 
     def _drain(self) -> None:

@@ -75,8 +75,8 @@ def prefill_main(
                     else:
                         streams.start(rid, blocks, n, tag, shape, abort_after)
                 elif cmd[0] == "abort":
-                    streams.abort(cmd[1])
                     ep.abort(cmd[1], "soak: aborted by the prefill engine")
+                    streams.aborted(cmd[1])  # a streamed request: its prefill_done follows
                 elif cmd[0] == "stats":
                     conn.send(("stats", ep.stats(), ep.pending()))
                 elif cmd[0] == "stop":

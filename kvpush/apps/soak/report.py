@@ -50,9 +50,9 @@ _REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("peer_gone_or_restarted", ("is gone", "restarted", "new instance", "replaced")),
     ("peer_silent", ("silent", "did not answer a handshake")),
     ("write_abandoned", ("abandoned",)),
+    ("source_released", ("already released", "already finished")),  # before "lease": reLEASEd
     ("expired", ("expir", "lease")),
     ("timed_out", ("timed out",)),
-    ("source_released", ("already released", "already finished")),
     ("refused", ("refused", "hello", "identity", "not_allowed")),
     ("endpoint_closed", ("closed",)),
     ("wrong_bytes", ("wrong bytes",)),
@@ -76,6 +76,7 @@ def build_report(
     p_leak, p_dup = book.leaked(book.p_alloc, book.p_geo.num_blocks)
     d_leak, d_dup = book.leaked(book.d_alloc, book.d_geo.num_blocks)
     reqs = list(book.reqs.values())
+    failed = [r for r in reqs if r.outcome == "failed"]
     return {
         "command": "kvpush soak " + " ".join(args.argv),
         "seed": args.seed,
@@ -108,6 +109,12 @@ def build_report(
             ),
             "ranges_reported": soak.stream_ranges,
             "aborted_mid_stream_by_prefill": soak.mid_stream_aborted,
+            # failure kinds by shape, "whole" included: a streamed path that failed more than faults
+            # explain would show here first
+            "failed_by_shape": {
+                shape: dict(Counter(reason_kind(r.reason or r.p_reason) for r in failed if r.shape == shape))
+                for shape in sorted({r.shape for r in reqs})
+            },
         },
         "faults_injected": {k: soak.faults.get(k, 0) for k in FAULT_KINDS},
         "attacker_frames_sent": dict(soak.attacks),

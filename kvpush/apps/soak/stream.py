@@ -1,6 +1,8 @@
 """The soak prefill's streamed requests: KV computed and reported ready range by range (kv_ready) across
 several loop rounds, so the driver's faults (kills, stops, aborts, lost notifications, resets) land
-mid-stream, and some requests are aborted by the prefill itself after k of their ranges.
+mid-stream, and some requests are aborted by the prefill itself after k of their ranges. An aborted
+stream still gets its terminal prefill_done, one round later, as docs/contract.md asks of an engine: its
+SendResult (the blocks back) comes only after it.
 
 Each request's pattern is made in a staging copy of the cache first; a step copies one range of it (a
 layer, a prefill chunk's new blocks, or both) into the real cache and then reports it, so a WRITE that
@@ -37,10 +39,14 @@ class _Step:
 @dataclass
 class _Stream:
     rid: str
+    blocks: list[int]
+    n: int
     steps: list[_Step]
     abort_after: int  # steps taken before the prefill aborts it itself (-1: never)
     done: int = 0
     ranges: int = 0  # kv_ready calls made
+    aborted: bool = False  # abort() was called: the next step is the terminal prefill_done
+    self_aborted: bool = False
     late_write: Callable[[], None] | None = None  # self-check "early": the last range's KV, written late
 
 
@@ -72,7 +78,7 @@ class StreamedPrefill:
         steps = self._steps(rid, blocks, n, shape)
         if abort_after >= 0:
             abort_after = min(max(1, abort_after), len(steps) - 1) if len(steps) > 1 else -1
-        s = _Stream(rid, steps, abort_after)
+        s = _Stream(rid, blocks, n, steps, abort_after)
         self.live[rid] = s
         self._advance(s)
 
@@ -81,11 +87,11 @@ class StreamedPrefill:
         out, self.ended = self.ended, []
         return out
 
-    def abort(self, rid: str) -> None:
-        """The driver aborted it: no range after this one."""
-        s = self.live.pop(rid, None)
+    def aborted(self, rid: str) -> None:
+        """The engine called abort(rid): no range after this one, and prefill_done at the next step."""
+        s = self.live.get(rid)
         if s is not None:
-            self.ended.append((rid, s.ranges, False))
+            s.aborted = True
 
     def step(self) -> None:
         """One step of every live streamed request."""
@@ -96,8 +102,12 @@ class StreamedPrefill:
         if s.late_write is not None:
             s.late_write()
             s.late_write = None
+        if s.aborted:  # the terminal call, after an abort too (docs/contract.md)
+            self.ep.prefill_done(s.rid, s.blocks, s.n)
+            self._end(s)
+            return
         if s.done == s.abort_after:
-            self._end(s, self_aborted=True)
+            s.aborted = s.self_aborted = True
             self.ep.abort(s.rid, "soak: aborted by the prefill engine mid-stream")
             return
         step = s.steps[s.done]
@@ -111,11 +121,11 @@ class StreamedPrefill:
         if not step.final:
             s.ranges += 1
         if s.done == len(s.steps):
-            self._end(s, self_aborted=False)
+            self._end(s)
 
-    def _end(self, s: _Stream, self_aborted: bool) -> None:
+    def _end(self, s: _Stream) -> None:
         del self.live[s.rid]
-        self.ended.append((s.rid, s.ranges, self_aborted))
+        self.ended.append((s.rid, s.ranges, s.self_aborted))
 
     def _steps(self, rid: str, blocks: list[int], n: int, shape: str) -> list[_Step]:
         bs, layers = self.layout.block_size, self.layout.num_layers
