@@ -69,9 +69,9 @@ class StreamedPrefill:
         self.stage = np.zeros_like(self.buffer)
 
     def start(self, rid: str, blocks: list[int], n: int, tag: int, shape: str, abort_after: int) -> None:
-        """Make the request's pattern in the staging copy and report its first range now (so the endpoint
-        owns the blocks from this call on: an abort from here ends with a SendResult). abort_after >= 0:
-        the prefill aborts it itself after that many steps, at least one and never after its last range."""
+        """Make the request's pattern in the staging copy and report its first range now (the endpoint holds
+        the blocks from this call until the SendResult its prefill_done brings). abort_after >= 0: the
+        prefill aborts it itself after that many steps, at least one and never after its last range."""
         if shape not in STREAMED:
             raise ValueError(f"soak: unknown stream shape {shape!r}, expected one of {STREAMED}")
         fill(self.stage, self.layout, blocks, n, tag)
