@@ -83,7 +83,7 @@ def build_report(
         "requests": len(reqs),
         "completed": sum(1 for r in reqs if r.outcome == "completed"),
         "failed_with_reason": {
-            "count": sum(1 for r in reqs if r.outcome == "failed"),
+            "count": len(failed),
             "by_kind": dict(sorted(book.reasons.items())),
             "examples": book.examples,
         },
