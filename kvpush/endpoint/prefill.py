@@ -32,6 +32,7 @@ from ..protocol.reasons import Failure
 from ..protocol.sender import (
     Arm,
     Disarm,
+    Forget,
     NotifyDone,
     NotifyFailure,
     ReleaseSource,
@@ -240,6 +241,8 @@ class PushThread(PushActions, EndpointThread[SendResult]):
                     self._arm_write(act.write)
                 elif isinstance(act, Disarm):
                     self.armed.drop((act.request_id, act.attempt, act.decode_rank))
+                elif isinstance(act, Forget):
+                    self._forget(act)
                 else:
                     self._release(act)
             if not self.scheduler.queues:
@@ -302,15 +305,8 @@ class PushThread(PushActions, EndpointThread[SendResult]):
         if until > now and not self.closing:
             self.held.append((until, act))  # write_linger_s is one value: `until` only grows along held
             return
-        started = self.prefill_done_at.pop(act.request_id, None)
-        if self.armed:
-            self.armed.drop_request(act.request_id)  # a Disarm came already: never more than a leftover
-        self.kv_written.pop(act.request_id, None)
-        self.staged.discard(act.request_id)
-        self.src_half.pop(act.request_id, None)
-        self.dst_half.pop(act.request_id, None)
+        started, marks = self._drop_state(act.request_id)
         self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
-        marks = self.timeline.pop(act.request_id, {})
         if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
             live = set(self.state.pending())
             self.timeline = {k: v for k, v in self.timeline.items() if k in live}

@@ -23,6 +23,7 @@ from ..protocol.reasons import Failure
 from ..protocol.replay import REPLAY_WINDOW
 from ..protocol.sender import (
     DecodeRankState,
+    Forget,
     NotifyDone,
     NotifyFailure,
     SenderAction,
@@ -61,6 +62,7 @@ class PushActions:
     hooks: TransferHooks | None
     timeline: dict[str, dict[str, float]]
     prefill_done_at: dict[str, float]
+    reads_until: dict[str, float]
     kv_written: dict[str, list[Callable[[], None]]]
     staged: set[str]
     state: SenderState
@@ -247,6 +249,38 @@ class PushActions:
             self.transport.send_notif(peer.agent, notice)
         except TransportError as exc:  # the decode's fence or liveness check ends its wait
             log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
+
+    def _drop_state(self, request_id: str) -> tuple[float | None, dict[str, float]]:
+        """What the push thread keeps of a request, dropped as it ends: its prefill_done time and
+        timeline marks are returned (the SendResult reports them)."""
+        started = self.prefill_done_at.pop(request_id, None)
+        if self.armed:
+            self.armed.drop_request(request_id)  # a Disarm came already: never more than a leftover
+        self.kv_written.pop(request_id, None)
+        self.staged.discard(request_id)
+        self.src_half.pop(request_id, None)
+        self.dst_half.pop(request_id, None)
+        return started, self.timeline.pop(request_id, {})
+
+    def _forget(self, act: Forget) -> None:
+        """The machine forgot a request that never heard prefill_done: so does the push thread (a
+        destination planned ahead, its marks). An engine that reported blocks with kv_ready and then
+        never made the terminal call still waits for them: say so, and count it."""
+        self._drop_state(act.request_id)
+        if self.reads_until.get(act.request_id, 0.0) <= time.monotonic():
+            self.reads_until.pop(act.request_id, None)  # a later prefill_done still honours a linger
+        if act.ready_blocks is None:
+            log.debug("kvpush prefill: forgot %s (%s): no prefill_done came", act.request_id, act.reason)
+            return
+        self.ledger.add(Count.NO_PREFILL_DONE)
+        log.warning(
+            "kvpush prefill: request %r ended (%s) and prefill_done never came within the lease: the "
+            "engine still holds the %d blocks it reported with kv_ready, and only prefill_done returns "
+            "them (a SendResult, failed); call prefill_done after abort() (docs/contract.md)",
+            act.request_id,
+            act.reason,
+            len(act.ready_blocks),
+        )
 
     def _notify_failure(self, act: NotifyFailure) -> None:
         dest = (act.decode_engine_id, act.decode_rank)

@@ -29,6 +29,12 @@ FAILURES = Counter(
 )
 EXPIRED = Counter("kvpush_expired_total", "Leases and registrations that expired", LABELS)
 REFUSED = Counter("kvpush_refused_total", "Handshakes and messages refused (auth, identity, limits)", LABELS)
+NO_PREFILL_DONE = Counter(
+    "kvpush_no_prefill_done_total",
+    "Streamed requests ended without the terminal prefill_done within a lease (an engine bug: its "
+    "kv_ready blocks wait for a SendResult that only prefill_done brings)",
+    LABELS,
+)
 PEERS = Gauge("kvpush_peers", "Peers with a completed handshake", LABELS)
 IN_FLIGHT_BYTES = Gauge("kvpush_in_flight_bytes", "Bytes of WRITEs posted and not yet settled", LABELS)
 PENDING = Gauge("kvpush_pending_requests", "Requests the endpoint's state machine tracks", LABELS)
@@ -71,6 +77,7 @@ class Count(enum.Enum):
     FAILED_EXPIRED = "failed_expired"  # requests ended by a lease or registration running out
     ARMED = "armed"  # WRITEs that posted what was made ahead of prefill_done (source_blocks)
     ENGINE_POSTS = "engine_posts"  # prefill_done calls run on the engine's thread (loop.run_inline)
+    NO_PREFILL_DONE = "no_prefill_done"  # streamed requests ended, no terminal prefill_done in a lease
 
 
 class High(enum.Enum):
@@ -90,6 +97,7 @@ _MIRROR = {
     Count.DISCARDED: DISCARDED,
     Count.EXPIRED: EXPIRED,
     Count.REFUSED: REFUSED,
+    Count.NO_PREFILL_DONE: NO_PREFILL_DONE,
 }
 
 _served: dict[tuple[str, int], bool] = {}
@@ -146,6 +154,9 @@ class Counters:
     # prefill_done calls that posted their armed WRITE on the engine's own thread (no thread hop; small
     # requests while the push thread was between rounds: engine_post_max_bytes)
     engine_posts: int = 0
+    # streamed requests that ended (abort, lease) and then waited a lease in vain for the terminal
+    # prefill_done: the engine still holds their kv_ready blocks (docs/contract.md; a warning names each)
+    no_prefill_done: int = 0
 
 
 class Ledger:

@@ -31,6 +31,7 @@ from .reasons import Failure
 from .sender_actions import Arm as Arm
 from .sender_actions import Disarm as Disarm
 from .sender_actions import EventOrder as EventOrder
+from .sender_actions import Forget as Forget
 from .sender_actions import NotifyDone as NotifyDone
 from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource

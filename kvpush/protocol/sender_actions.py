@@ -1,5 +1,6 @@
 """The sender machine's actions: what SenderState asks its edge to do (start a WRITE, tell a decode rank it
-will not be written, release source blocks, make a WRITE ahead or drop one). Plain frozen data, so the edge and the tests read them alike."""
+will not be written, release source blocks, make a WRITE ahead or drop one, forget a request). Plain
+frozen data, so the edge and the tests read them alike."""
 
 from __future__ import annotations
 
@@ -88,4 +89,17 @@ class Disarm:
     decode_rank: int
 
 
-SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource | Arm | Disarm
+@dataclass(frozen=True)
+class Forget:
+    """A request that ended before prefill_done waited a lease for that terminal call in vain: the machine
+    keeps nothing of it now, and neither should the edge. `ready_blocks`: what the engine reported with
+    kv_ready; it still holds them and waits for a SendResult that only prefill_done brings (an engine
+    bug, docs/contract.md, which the edge says by name). A later prefill_done still gets its blocks back,
+    failed."""
+
+    request_id: str
+    reason: str
+    ready_blocks: tuple[int, ...] | None = None
+
+
+SenderAction = StartWrite | NotifyFailure | NotifyDone | ReleaseSource | Arm | Disarm | Forget

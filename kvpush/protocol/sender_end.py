@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
 from .reasons import Failure
-from .sender_actions import NotifyFailure, ReleaseSource, SenderAction
+from .sender_actions import Forget, NotifyFailure, ReleaseSource, SenderAction
 from .sender_arm import disarm
 from .sender_stream import RangePosting
 from .sender_table import DecodeRankState, Entry, Rank, RankEvent, SendPhase, Trouble
@@ -109,7 +109,9 @@ class RequestEnding(RangePosting):
                 and now >= entry.deadline
                 and not entry.writing()
             ):
-                self._finish(entry, now)  # waited long enough for a prefill_done that never came
+                # waited long enough for a prefill_done that never came
+                actions.append(Forget(entry.request_id, entry.reason, entry.ready_blocks))
+                self._finish(entry, now)
         self._tombstones.expire(now)
         return actions
 

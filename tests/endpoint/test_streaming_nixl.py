@@ -178,3 +178,36 @@ def test_a_request_under_the_threshold_moves_in_one_piece():
         assert count_wrong_bytes(dc[0].to_host(), dc[0].layout, db, n, tag) == 0
     finally:
         _close(pe, de)
+
+
+def test_an_aborted_stream_without_prefill_done_is_said_and_forgotten(caplog):
+    """docs/contract.md: prefill_done stays the terminal call after an abort. An engine that never makes
+    it is told by name once the lease runs out (a warning and a counter), and the push thread keeps
+    nothing of the request; a late prefill_done still gives the blocks back, failed."""
+    pc, dc, pe, de, addr = _pair(16, 16, lease_s=1.0)
+    try:
+        n, tag = 256, 6
+        pb = _blocks(list(range(1, 30)), n, 16)
+        db = _blocks(list(range(30, 60)), n, 16)
+        fill(pc[0].to_host(), pc[0].layout, pb, n, tag)
+        de[0].expect("f", db, n, addr)
+        push = pe[0]._push
+        assert _until(lambda: len(push.state) == 1)
+        for c in (32, 64):
+            pe[0].kv_ready("f", _blocks(pb, c, 16), c)
+        with caplog.at_level("WARNING", logger="kvpush"):
+            pe[0].abort("f", "client went away")
+            assert _until(lambda: not pe[0].pending(), timeout=10.0)
+            assert _until(lambda: "f" not in push.timeline, timeout=2.0)
+        said = [r.getMessage() for r in caplog.records if "'f'" in r.getMessage()]
+        assert any("prefill_done" in m and "never" in m for m in said), said
+        assert pe[0].stats()["no_prefill_done"] == 1
+        assert pe[0].finished() == []  # no SendResult: the engine still owns the terminal call
+        held = (push.prefill_done_at, push.kv_written, push.src_half, push.dst_half, push.timeline)
+        assert not any("f" in m for m in held) and "f" not in push.staged
+        assert not push.armed and not push.scheduler.writes
+        pe[0].prefill_done("f", pb, n)  # late: the blocks still come back, failed
+        sent = _wait(pe[0])
+        assert len(sent) == 1 and not sent[0].ok and tuple(sent[0].block_ids) == tuple(pb)
+    finally:
+        _close(pe, de)

@@ -17,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.protocol.ranges import Range, StreamPolicy, pending_ranges, per_layer_ranges
-from kvpush.protocol.sender import NotifyDone, NotifyFailure, ReleaseSource, SenderState, StartWrite
+from kvpush.protocol.sender import (
+    Forget,
+    NotifyDone,
+    NotifyFailure,
+    ReleaseSource,
+    SenderState,
+    StartWrite,
+)
 from kvpush.protocol.wire import Abort, Registration
 
 LAYERS, TOKENS, ALIGN = 4, 64, 8
@@ -39,11 +46,12 @@ class World:
     abandoned: set[tuple[int, int]] = field(default_factory=set)  # (att, rank) with a WRITE given up
     ready_reported: bool = False
     engine_aborted: bool = False
+    forgotten: bool = False  # the machine forgot the request (ended, no prefill_done within a lease)
 
     def apply(self, actions, ack=False):
         """ack: the actions answer a decode's message (Abort, Registration): a failure word may repeat."""
         for a in actions:
-            key = (a.attempt, a.decode_rank) if not isinstance(a, ReleaseSource) else None
+            key = (a.attempt, a.decode_rank) if not isinstance(a, ReleaseSource | Forget) else None
             if isinstance(a, StartWrite):
                 assert self.releases == 0, "a WRITE started after the source was released"
                 layers = range(*(a.layers or (0, LAYERS)))
@@ -72,6 +80,11 @@ class World:
                 if key in self.abandoned and key not in self.told:
                     assert a.abandoned, "a WRITE was given up: the decode must fence before it reuses blocks"
                 self._tell(key, "failed", refusal=ack or key not in self.written)
+            elif isinstance(a, Forget):
+                assert not self.done and not self.forgotten, "forgot a request prefill_done ended, or twice"
+                assert not self.inflight, "forgot a request with a WRITE from its blocks in flight"
+                assert (a.ready_blocks is not None) == self.ready_reported, "kv_ready blocks not named"
+                self.forgotten = True
             else:
                 assert not self.inflight, "source released while a WRITE from it is in flight"
                 self.releases += 1
@@ -259,3 +272,24 @@ def test_ranges_ready_before_the_registration_coalesce_into_one_write():
         _ready(w, c)
     w.apply(w.s.on_registration(registration(0, 0, 30.0), 0.0, ALIGN))
     assert [(a.token_start, a.num_tokens, a.layers) for a in w.inflight] == [(0, 40, None)]
+
+
+def test_an_aborted_stream_with_no_prefill_done_is_forgotten_by_name_after_a_lease():
+    """The engine aborted after 2 ranges and never made the terminal prefill_done: a lease later the
+    machine forgets the request and names the kv_ready blocks the engine still holds; a late
+    prefill_done still gets them back, failed."""
+    w = _streamed()
+    for c in (8, 16):
+        _ready(w, c)
+    w.apply(w.s.abort(RID, "client gone", 0.0))
+    while w.inflight:
+        w.settle(0, "ok")
+    w.now = 19.0
+    w.apply(w.s.on_tick(w.now))
+    assert not w.forgotten and len(w.s) == 1  # within the lease: still waiting for prefill_done
+    w.now = 21.0
+    forgot = [a for a in w.s.on_tick(w.now) if isinstance(a, Forget)]
+    assert len(forgot) == 1 and forgot[0].ready_blocks == (100, 101) and len(w.s) == 0
+    assert "client gone" in forgot[0].reason and w.releases == 0
+    late = w.s.on_prefill_done(RID, tuple(range(100, 108)), TOKENS, w.now)
+    assert [(type(a), a.ok) for a in late] == [(ReleaseSource, False)]
