@@ -2,7 +2,8 @@
 prefill_done, the decode is told once, every byte is verified; ranges reported before the registration
 coalesce; layer ranges; a request aborted mid-stream gives its blocks back (at its terminal prefill_done) only after its
 WRITEs settled;
-a request under the threshold moves in one piece."""
+a request under the threshold moves in one piece; a request that ends with no prefill_done is forgotten
+a lease later by the push thread too (named in a warning when the engine holds kv_ready blocks)."""
 
 from __future__ import annotations
 
@@ -209,5 +210,32 @@ def test_an_aborted_stream_without_prefill_done_is_said_and_forgotten(caplog):
         pe[0].prefill_done("f", pb, n)  # late: the blocks still come back, failed
         sent = _wait(pe[0])
         assert len(sent) == 1 and not sent[0].ok and tuple(sent[0].block_ids) == tuple(pb)
+    finally:
+        _close(pe, de)
+
+
+def test_a_registration_whose_prefill_never_comes_leaves_nothing_on_the_push_thread(caplog):
+    """A decode registers a request the prefill engine never hears of (its prefill request was lost on
+    the way): the lease ends it, the decode is told, and once the machine forgets it the push thread
+    keeps nothing either (the destination it planned at the registration included); no warning, since
+    the engine named no blocks."""
+    pc, dc, pe, de, addr = _pair(16, 16, lease_s=1.0)
+    try:
+        push = pe[0]._push
+        for i in range(3):
+            de[0].expect(f"lost{i}", [30 + i], 16, addr)
+        assert _until(lambda: len(push.state) == 3)
+        with caplog.at_level("WARNING", logger="kvpush"):
+            got: list = []
+            assert _until(lambda: bool(got.extend(de[0].finished())) or len(got) == 3)
+            assert sorted(r.request_id for r in got) == ["lost0", "lost1", "lost2"]
+            assert not any(r.ok for r in got)
+            assert _until(lambda: not len(push.state), timeout=5.0)
+            assert _until(lambda: not push.dst_half and not push.timeline, timeout=2.0), (
+                push.dst_half,
+                push.timeline,
+            )
+        assert not [r for r in caplog.records if "prefill_done never came" in r.getMessage()]
+        assert pe[0].stats()["no_prefill_done"] == 0
     finally:
         _close(pe, de)
