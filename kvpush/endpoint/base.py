@@ -298,6 +298,11 @@ class Endpoint(Generic[R]):
         """Requests the state machine still tracks (asked on the transfer thread)."""
         return int(self._worker.call(self._worker.tracked, self.config.liveness.handshake_timeout_s))
 
+    def kept_state(self) -> dict[str, int]:
+        """What the transfer thread keeps per request, map by map (asked on that thread): every count is
+        0 once nothing is pending and the leases have run out; anything else is a leak (kept.py)."""
+        return dict(self._worker.call(self._worker.kept, self.config.liveness.handshake_timeout_s))
+
 
 def checked_blocks(
     layout: KVLayout,

@@ -58,6 +58,7 @@ from .control import ControlPlane
 from .decode_conns import MAX_BACKLOG, PrefillConnections, PrefillPeer
 from .decode_requests import DecodeRequests
 from .held import HeldRequests
+from .kept import decode_kept
 from .stats import Count
 
 log = logging.getLogger("kvpush")
@@ -95,6 +96,9 @@ class ReceiveThread(DecodeRequests):
 
     def tracked(self) -> int:
         return len(self.state) + len(self.held)
+
+    def kept(self) -> dict[str, int]:
+        return decode_kept(self)
 
     def describe(self, request_id: str) -> str:
         return self.state.describe(request_id, time.monotonic())

@@ -195,6 +195,10 @@ class TransferThread:
         """Requests the thread's state machine still tracks (leases and timeouts need ticks)."""
         return 0
 
+    def kept(self) -> dict[str, int]:
+        """What the thread keeps per request, by map (kept.py): all 0 at rest."""
+        return {}
+
     def in_flight(self) -> bool:
         """True while a transfer this thread posted is on the wire: poll without backing off."""
         return self.busy()

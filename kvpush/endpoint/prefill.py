@@ -56,6 +56,7 @@ from .base import (
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .control import ControlPlane
 from .early import HeldCalls, ReadyCall
+from .kept import prefill_kept
 from .prefill_conns import MAX_MESSAGES_PER_ROUND, DecodeConnections
 from .push_actions import PushActions
 from .stats import Count
@@ -155,6 +156,9 @@ class PushThread(PushActions, EndpointThread[SendResult]):
     def tracked(self) -> int:
         return len(self.state) + len(self.held)
 
+    def kept(self) -> dict[str, int]:
+        return prefill_kept(self)
+
     def idle_wait_ms(self) -> int:
         """A transport owed progress (progress_owed) is drained at the tick cadence even with nothing
         tracked: the longer idle block would leave a notice queued that long per round."""
@@ -212,6 +216,9 @@ class PushThread(PushActions, EndpointThread[SendResult]):
             peer = self.conns.peers.get((reg.decode_engine_id, reg.decode_rank))
             align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
             self._apply(self.state.on_registration(reg, event.at, align))
+            if reg.request_id not in self.state:  # refused: no release will take its marks
+                self.timeline.pop(reg.request_id, None)
+                return
             if reg.request_id not in self.prefill_done_at and (
                 (reg.request_id, reg.attempt, reg.decode_rank) not in self.armed
             ):
@@ -307,9 +314,6 @@ class PushThread(PushActions, EndpointThread[SendResult]):
             return
         started, marks = self._drop_state(act.request_id)
         self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
-        if len(self.timeline) > 2 * len(self.state) + 64:  # marks of registrations the machine refused
-            live = set(self.state.pending())
-            self.timeline = {k: v for k, v in self.timeline.items() if k in live}
         if log.isEnabledFor(logging.DEBUG) and marks:
             t0 = min(marks.values())
             log.debug(

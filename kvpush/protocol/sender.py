@@ -80,6 +80,9 @@ class SenderState(Arming, RequestEnding):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._entries
+
     def pending(self) -> list[str]:
         return list(self._entries)
 

@@ -239,3 +239,39 @@ def test_a_registration_whose_prefill_never_comes_leaves_nothing_on_the_push_thr
         assert pe[0].stats()["no_prefill_done"] == 0
     finally:
         _close(pe, de)
+
+
+def test_at_rest_the_transfer_threads_keep_nothing_per_request():
+    """After requests that completed, one aborted mid-stream (with its terminal prefill_done), one whose
+    prefill never came and registrations the prefill refused, every per-request map of both threads is
+    empty once the leases ran out (kept.py)."""
+    pc, dc, pe, de, addr = _pair(16, 16, lease_s=1.0)
+    try:
+        n, tag = 256, 7
+        pb = _blocks(list(range(1, 30)), n, 16)
+        db = _blocks(list(range(30, 60)), n, 16)
+        fill(pc[0].to_host(), pc[0].layout, pb, n, tag)
+        de[0].expect("ok", db, n, addr)
+        for c in (64, 128):
+            pe[0].kv_ready("ok", _blocks(pb, c, 16), c)
+        pe[0].prefill_done("ok", pb, n)
+        assert _wait(de[0])[0].ok and _wait(pe[0])[0].ok
+        de[0].expect("ok", db, n, addr)  # again: the prefill's tombstone refuses the registration
+        again = _wait(de[0])
+        assert not again[0].ok and "already" in again[0].reason, again
+        de[0].expect("cut", db, n, addr)
+        assert _until(lambda: len(pe[0]._push.state) == 1)
+        pe[0].kv_ready("cut", _blocks(pb, 64, 16), 64)
+        pe[0].abort("cut", "client went away")
+        pe[0].prefill_done("cut", pb, n)
+        assert not _wait(pe[0])[0].ok and not _wait(de[0])[0].ok
+        de[0].expect("lost", [40], 16, addr)  # the prefill never hears of it
+        pe[0].prefill_done("late", pb[:1], 16)  # its decode never registers
+        got: list = []
+        assert _until(lambda: bool(got.extend(de[0].finished() + pe[0].finished())) or len(got) == 2)
+        assert _until(lambda: not pe[0].pending() and not de[0].pending(), timeout=5.0)
+        assert _until(lambda: not any(pe[0].kept_state().values()), timeout=3.0), pe[0].kept_state()
+        assert _until(lambda: not any(de[0].kept_state().values()), timeout=3.0), de[0].kept_state()
+        assert set(pe[0].kept_state()) >= {"timeline", "dst_half", "src_half", "armed"}
+    finally:
+        _close(pe, de)

@@ -16,7 +16,8 @@ declares ready with the pattern the prefill wrote (corrupt_bytes); it scrubs blo
 hands them back and counts non-zero bytes when it gets them again and at the end (stale_writes: a WRITE
 that landed after the blocks were freed); the pools must be whole at the end (leaked_blocks_*); an
 attacker frame that got a Hello answer, or an honest request that ended for the attacker's reason,
-counts as unauthorized_accepted. `--self-check` breaks the harness on purpose so each counter is seen
+counts as unauthorized_accepted. At the end both transfer threads must keep no per-request state
+(kept_state_at_end, `Endpoint.kept_state()`). `--self-check` breaks the harness on purpose so each counter is seen
 to rise.
 
 The package, in reading order: cli.py (the flags), driver.py (`Soak`: requests and faults), book.py (the

@@ -157,7 +157,7 @@ class Children:
         kind = msg[0]
         if kind == "up":
             p.up, p.address = True, msg[1]
-        elif kind in ("stats", "audit"):
+        elif kind in ("stats", "audit", "kept"):
             self.replies[(p.gen, kind)] = msg
         elif kind == "bye":
             p.bye = True

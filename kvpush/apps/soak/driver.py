@@ -343,10 +343,29 @@ class Soak:
         for r in self.book.live():
             self.book.log.append(f"still held at the end: {r.rid} prefill gen {r.p_gen}, decode {r.d_held}")
 
+    def _kept_at_rest(self) -> dict[str, dict[str, int]]:
+        """What each engine's transfer thread still keeps per request (kvpush/endpoint/kept.py), asked
+        until every map is empty or a lease and a fence have passed: only non-zero maps are returned."""
+        cfg = soak_config("x", 0)
+        deadline = time.monotonic() + 2 * cfg.leases.lease_s + cfg.leases.write_bound_s + 2.0
+        kept: dict[str, dict[str, int]] = {}
+        while True:
+            for role, proc in (("prefill", self.kids.prefill), ("decode", self.kids.decode)):
+                reply = self.kids.ask(proc, ("kept",)) if proc is not None else None
+                kept[role] = {k: v for k, v in (reply[1] if reply else {"no_answer": 1}).items() if v}
+            if not any(kept.values()) or time.monotonic() >= deadline:
+                break
+            self.pump(0.2)
+        for role, maps in kept.items():
+            if maps:
+                self.book.log.append(f"{role}'s transfer thread still keeps per-request state: {maps}")
+        return kept
+
     def _report(self, elapsed: float) -> dict[str, Any]:
         """Ask both engines for their counters and the decode for an audit of its free blocks."""
         kids, book = self.kids, self.book
         assert kids.prefill is not None and kids.decode is not None
+        kept = self._kept_at_rest()
         p_reply = kids.ask(kids.prefill, ("stats",)) or ("stats", {}, -1)
         d_reply = kids.ask(kids.decode, ("stats",)) or ("stats", {}, -1)
         audit = kids.ask(kids.decode, ("audit", book.d_alloc.free_ids()))
@@ -358,7 +377,7 @@ class Soak:
         book.stale += end_dirty
         if self.check == "leak" and book.p_alloc.num_free:
             book.p_alloc.lose()  # self-check: the driver loses one block
-        return build_report(self, elapsed, p_reply, d_reply)
+        return build_report(self, elapsed, p_reply, d_reply, kept)
 
     def close(self) -> None:
         self.kids.close()

@@ -79,6 +79,8 @@ def prefill_main(
                     streams.aborted(cmd[1])  # a streamed request: its prefill_done follows
                 elif cmd[0] == "stats":
                     conn.send(("stats", ep.stats(), ep.pending()))
+                elif cmd[0] == "kept":
+                    conn.send(("kept", ep.kept_state()))
                 elif cmd[0] == "stop":
                     break
             streams.step()
@@ -142,6 +144,8 @@ def decode_main(
                     scrub(buf, layout, cmd[1])
                 elif cmd[0] == "stats":
                     conn.send(("stats", ep.stats(), ep.pending()))
+                elif cmd[0] == "kept":
+                    conn.send(("kept", ep.kept_state()))
                 elif cmd[0] == "stop":
                     break
             for res in ep.finished():

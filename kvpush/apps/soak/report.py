@@ -37,6 +37,7 @@ FAIL_ON = (
     "unauthorized_accepted",
     "huge_tp_accepted",
     "cross_peer_accepted",  # the ownership rule (protocol/claims.py)
+    "kept_state_at_end",  # per-request state a transfer thread kept at rest (endpoint/kept.py)
 )
 REPORTED: tuple[str, ...] = ()  # figures shown but not yet held to zero
 
@@ -69,9 +70,14 @@ def reason_kind(reason: str) -> str:
 
 
 def build_report(
-    soak: SoakRun, elapsed: float, p_reply: tuple[Any, ...], d_reply: tuple[Any, ...]
+    soak: SoakRun,
+    elapsed: float,
+    p_reply: tuple[Any, ...],
+    d_reply: tuple[Any, ...],
+    kept: dict[str, dict[str, int]],
 ) -> dict[str, Any]:
-    """The run's figures; p_reply and d_reply are the engines' ("stats", counters, pending) answers."""
+    """The run's figures; p_reply and d_reply are the engines' ("stats", counters, pending) answers,
+    kept what each one's transfer thread still keeps per request at rest (non-zero maps only)."""
     book, kids, args = soak.book, soak.kids, soak.args
     p_leak, p_dup = book.leaked(book.p_alloc, book.p_geo.num_blocks)
     d_leak, d_dup = book.leaked(book.d_alloc, book.d_geo.num_blocks)
@@ -97,6 +103,8 @@ def build_report(
         "huge_tp_accepted": soak.huge_tp_accepted,
         # honest requests another bound identity aborted + its registrations that wrote the lent blocks
         "cross_peer_accepted": book.cross_peer + soak.cross_peer_writes,
+        "kept_state_at_end": sum(n for maps in kept.values() for n in maps.values()),
+        "kept_at_end": kept,
         "long_prompts": {
             "started": len(soak.long_prompts),
             "completed": sum(1 for rid in soak.long_prompts if book.reqs[rid].outcome == "completed"),
