@@ -66,6 +66,18 @@ def test_aborts_mid_stream_without_restarts_give_every_block_back(tmp_path):
     assert rc == 0
 
 
+@pytest.mark.parametrize("tp", ["2:1", "1:2"])
+def test_a_tp_split_soak_ends_with_zeros(tmp_path, tp):
+    """Every fault with TP on one side: a decode rank waits for two prefill ranks' WRITEs and notices
+    (2:1), or one prefill rank writes two decode ranks (1:2); each rank's bytes are checked, and the
+    driver hears of a request once every rank of an engine finished it."""
+    rc, res = soak(tmp_path, "--requests", "150", "--faults", "all", "--seed", "6", "--tp", tp)
+    assert {k: res[k] for k in FAIL_ON} == dict.fromkeys(FAIL_ON, 0), res["notes"]
+    assert res["double_returned_blocks"] == 0 and res["unsettled"] == 0, res["notes"]
+    assert res["completed"] >= 75 and res["streamed"]["completed"], res["failed_with_reason"]
+    assert rc == 0
+
+
 @pytest.mark.parametrize(
     ("check", "counter"),
     [
@@ -73,9 +85,12 @@ def test_aborts_mid_stream_without_restarts_give_every_block_back(tmp_path):
         ("stale", "stale_writes"),
         ("leak", "leaked_blocks_prefill"),
         ("early", "corrupt_bytes"),  # streamed ranges reported a loop round before their KV is written
+        ("early:2:2", "corrupt_bytes"),  # the same with TP 2 on both sides: every rank's bytes checked
     ],
 )
 def test_each_counter_rises_when_the_harness_is_broken_on_purpose(tmp_path, check, counter):
-    rc, res = soak(tmp_path, "--requests", "40", "--faults", "none", "--self-check", check)
+    check, _, tp = check.partition(":")
+    extra = ["--tp", tp] if tp else []
+    rc, res = soak(tmp_path, "--requests", "40", "--faults", "none", "--self-check", check, *extra)
     assert res[counter] > 0, res
     assert rc != 0

@@ -81,7 +81,8 @@ class Children:
             args: tuple[Any, ...] = (child, self.p_geo, self.port, self.rates, seed, self.check)
         elif role == "decode":
             target = decode_main
-            args = (child, self.d_geo, ("127.0.0.1", self.dial_port), self.rates, seed, self.check)
+            prefill = ("127.0.0.1", self.dial_port, self.p_geo.tp_size)
+            args = (child, self.d_geo, prefill, self.rates, seed, self.check)
         else:
             target = attacker_main
             args = (child, self.port, KEY if self.check == "unauthorized" else None, KEY)

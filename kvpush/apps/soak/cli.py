@@ -36,6 +36,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         "chunk, or both) across its loop rounds, so faults land mid-stream",
     )
     p.add_argument(
+        "--tp",
+        type=_tp,
+        default=(1, 1),
+        metavar="P:D",
+        help="prefill and decode TP (1 or 2 each; two KV heads): 2:1 has a decode rank hear from two "
+        "prefill ranks, 1:2 a prefill rank write to two decode ranks",
+    )
+    p.add_argument(
         "--self-check",
         choices=["", *SELF_CHECKS],
         default="",
@@ -70,7 +78,19 @@ def _argv(args: argparse.Namespace) -> list[str]:
     if args.self_check:
         out += ["--self-check", args.self_check]
     out += ["--stream-share", str(args.stream_share)]
+    if tuple(args.tp) != (1, 1):
+        out += ["--tp", "{}:{}".format(*args.tp)]
     return out
+
+
+def _tp(spec: str) -> tuple[int, int]:
+    try:
+        p_tp, d_tp = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp {spec!r}: expected P:D, e.g. 2:1") from None
+    if not {p_tp, d_tp} <= {1, 2}:
+        raise argparse.ArgumentTypeError(f"--tp {spec!r}: each side's TP must be 1 or 2 (two KV heads)")
+    return p_tp, d_tp
 
 
 def _faults(spec: str) -> str:

@@ -57,8 +57,9 @@ def chosen_faults(spec: str) -> tuple[str, ...]:
     return kinds
 
 
-def soak_geometry(block_size: int, num_blocks: int) -> Geometry:
-    """Small caches (2 KiB per token) so a 2-core box moves many requests; the pattern checks every byte."""
+def soak_geometry(block_size: int, num_blocks: int, tp_size: int = 1) -> Geometry:
+    """Small caches (2 KiB per token over all ranks) so a 2-core box moves many requests; the pattern
+    checks every byte. Two KV heads: TP 1 or 2 on either side."""
     return Geometry(
         layers=4,
         total_kv_heads=2,
@@ -66,7 +67,7 @@ def soak_geometry(block_size: int, num_blocks: int) -> Geometry:
         dtype_size=2,
         block_size=block_size,
         num_blocks=num_blocks,
-        tp_size=1,
+        tp_size=tp_size,
     )
 
 

@@ -38,13 +38,16 @@ class Soak:
         self.check: str = args.self_check
         self.kinds = chosen_faults(args.faults)
         rates = {k: rate for k, rate in TRANSPORT_RATES.items() if k in self.kinds}
+        p_tp, d_tp = args.tp
         self.book = Book(
-            soak_geometry(16, args.prefill_blocks), soak_geometry(32, args.decode_blocks), args.seed
+            soak_geometry(16, args.prefill_blocks, p_tp),
+            soak_geometry(32, args.decode_blocks, d_tp),
+            args.seed,
         )
         self.kids = Children(
             self.book.p_geo,
             self.book.d_geo,
-            free_port_range(1),
+            free_port_range(p_tp),
             rates,
             args.seed,
             self.check,
@@ -52,7 +55,7 @@ class Soak:
             on_tick=self._on_tick,
         )
         # the decode dials the prefill through a relay that the reset_side_channel fault resets
-        self.relay = Relay(self.kids.port)
+        self.relay = Relay(self.kids.port, ranks=p_tp, listen_port=free_port_range(p_tp) if p_tp > 1 else 0)
         self.kids.dial_port = self.relay.port
         self.heal_at = 0.0
         self.lent: list[tuple[float, list[int]]] = []  # (audit at, decode blocks lent to a cross_peer attack)

@@ -1,5 +1,5 @@
-"""The soak's three child processes: a prefill and a decode engine (each one endpoint over NIXL/UCX with
-a HostKVCache and a FaultInjectingTransport around its NixlTransport) and the attacker.
+"""The soak's three child processes: a prefill and a decode engine (each one endpoint per TP rank over
+NIXL/UCX, with a HostKVCache and a FaultInjectingTransport around its NixlTransport) and the attacker.
 
 Each runs a command loop on its main thread; commands come from the driver over a pipe, and everything
 the driver needs to account for a block (released, result, stale, faults) goes back the same way."""
@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from kvpush.apps.demo.pattern import count_dirty_bytes, count_wrong_bytes, fill, scrub
 from kvpush.apps.demo.procs import Geometry
@@ -23,15 +25,23 @@ from kvpush.protocol.groups import flat_ids
 from kvpush.transport.base import Transport
 from kvpush.transport.faults import FaultInjectingTransport
 
+if TYPE_CHECKING:
+    from kvpush.backends.host import HostKVCache
+
 
 def _nixl_with_faults(
-    config: KVPushConfig, role: str, rates: dict[str, float], seed: int, out: list[FaultInjectingTransport]
+    config: KVPushConfig,
+    role: str,
+    rank: int,
+    rates: dict[str, float],
+    seed: int,
+    out: list[FaultInjectingTransport],
 ) -> Callable[[], Transport]:
     def make() -> Transport:
         from kvpush.endpoint.base import new_nixl_transport
 
         t = FaultInjectingTransport(
-            new_nixl_transport(config, role, 0), rates, seed, 1.5 * config.leases.write_timeout_s
+            new_nixl_transport(config, role, rank), rates, seed, 1.5 * config.leases.write_timeout_s
         )
         out.append(t)
         return t
@@ -46,78 +56,146 @@ def _send_faults(conn: Connection, injectors: list[FaultInjectingTransport]) -> 
             conn.send(("faults", counts))
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    """Per-rank counters added up (what the driver reports for the engine as a whole)."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass
+class _RankResults:
+    """One engine's per-rank results of a request, gathered until every rank has given its own: the
+    driver hears of a request once, as a vLLM scheduler would (ok only if every rank's was)."""
+
+    ranks: int
+    got: dict[tuple[str, tuple[int, ...]], list[tuple[bool, str]]] = field(default_factory=dict)
+
+    def add(self, rid: str, blocks: tuple[int, ...], ok: bool, reason: str) -> tuple[bool, str] | None:
+        seen = self.got.setdefault((rid, blocks), [])
+        seen.append((ok, reason))
+        if len(seen) < self.ranks:
+            return None
+        del self.got[(rid, blocks)]
+        bad = [why for good, why in seen if not good]
+        return not bad, bad[0] if bad else ""
+
+
 def prefill_main(
     conn: Connection, geo: Geometry, port: int, rates: dict[str, float], seed: int, check: str
 ) -> None:
-    """The prefill engine: fills a request's source blocks with its pattern, hands them over, and gives
-    the driver each block table back once the endpoint reports the request finished."""
+    """The prefill engine, one endpoint per TP rank (the same block ids on every rank, as vLLM's are):
+    fills a request's source blocks with its pattern, hands them over, and gives the driver each block
+    table back once every rank's endpoint reported the request finished."""
     from kvpush.backends.host import HostKVCache
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    cache = HostKVCache(geo.layout(0))
     cfg = soak_config(PREFILL_ID, port)
     injectors: list[FaultInjectingTransport] = []
-    ep = PrefillEndpoint(
-        cfg, cache.layout, transport=_nixl_with_faults(cfg, "prefill", rates, seed, injectors)
-    )
-    ep.start()
-    streams = StreamedPrefill(ep, cache.buffer, cache.layout, late_writes=check == "early")
-    conn.send(("up", ep.address))
+    caches = [HostKVCache(geo.layout(r)) for r in range(geo.tp_size)]
+    eps = [
+        PrefillEndpoint(
+            cfg, c.layout, transport=_nixl_with_faults(cfg, "prefill", r, rates, seed + r, injectors)
+        )
+        for r, c in enumerate(caches)
+    ]
+    for ep in eps:
+        ep.start()
+    streams = [
+        StreamedPrefill(ep, c.buffer, c.layout, late_writes=check == "early")
+        for ep, c in zip(eps, caches, strict=True)
+    ]
+    released = _RankResults(geo.tp_size)
+    conn.send(("up", eps[0].address))
     try:
         while True:
             if conn.poll(0.002):
                 cmd = conn.recv()
                 if cmd[0] == "prefill":
                     _, rid, blocks, n, tag, shape, abort_after = cmd
-                    if shape == "whole":
-                        fill(cache.buffer, cache.layout, blocks, n, tag)
-                        ep.prefill_done(rid, blocks, n)
-                    else:
-                        streams.start(rid, blocks, n, tag, shape, abort_after)
+                    for ep, c, st in zip(eps, caches, streams, strict=True):
+                        if shape == "whole":
+                            fill(c.buffer, c.layout, blocks, n, tag)
+                            ep.prefill_done(rid, blocks, n)
+                        else:
+                            st.start(rid, blocks, n, tag, shape, abort_after)
                 elif cmd[0] == "abort":
-                    ep.abort(cmd[1], "soak: aborted by the prefill engine")
-                    streams.aborted(cmd[1])  # a streamed request: its prefill_done follows
+                    for ep, st in zip(eps, streams, strict=True):
+                        ep.abort(cmd[1], "soak: aborted by the prefill engine")
+                        st.aborted(cmd[1])  # a streamed request: its prefill_done follows
                 elif cmd[0] == "stats":
-                    conn.send(("stats", ep.stats(), ep.pending()))
+                    conn.send(("stats", _summed([ep.stats() for ep in eps]), sum(ep.pending() for ep in eps)))
                 elif cmd[0] == "kept":
-                    conn.send(("kept", ep.kept_state()))
+                    conn.send(("kept", _summed([ep.kept_state() for ep in eps])))
                 elif cmd[0] == "stop":
                     break
-            streams.step()
-            for rid, ranges, self_aborted in streams.take_ended():
-                conn.send(("stream_end", rid, ranges, self_aborted))
-            for res in ep.finished():
-                conn.send(("released", res.request_id, res.ok, res.reason, list(res.block_ids)))
+            for st in streams:
+                st.step()
+            for rank, st in enumerate(streams):
+                for rid, ranges, self_aborted in st.take_ended():
+                    if rank == 0:  # every rank streams a request alike: rank 0 speaks for them
+                        conn.send(("stream_end", rid, ranges, self_aborted))
+            for ep in eps:
+                for res in ep.finished():
+                    ids = tuple(int(b) for b in flat_ids(res.block_ids)[0])
+                    done = released.add(res.request_id, ids, res.ok, res.reason)
+                    if done is not None:
+                        conn.send(("released", res.request_id, done[0], done[1], list(ids)))
             _send_faults(conn, injectors)
     except (EOFError, OSError):
         pass  # the driver is gone: so are we
     finally:
-        ep.close()
+        for ep in eps:
+            ep.close()
         with contextlib.suppress(OSError):
             conn.send(("bye",))
 
 
 def decode_main(
-    conn: Connection, geo: Geometry, prefill: tuple[str, int], rates: dict[str, float], seed: int, check: str
+    conn: Connection,
+    geo: Geometry,
+    prefill: tuple[str, int, int],
+    rates: dict[str, float],
+    seed: int,
+    check: str,
 ) -> None:
-    """The decode engine: registers the blocks the driver gives it, verifies every byte of every request
-    it declares ready, scrubs blocks before handing them back and checks them when they come again."""
+    """The decode engine, one endpoint per TP rank: registers the blocks the driver gives it on every
+    rank, verifies every byte of every request all ranks declare ready, scrubs blocks before handing them
+    back and checks them when they come again. prefill: (host, base port, prefill TP)."""
     from kvpush.backends.host import HostKVCache
 
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    cache = HostKVCache(geo.layout(0))
-    buf, layout = cache.buffer, cache.layout
+    caches = [HostKVCache(geo.layout(r)) for r in range(geo.tp_size)]
     cfg = soak_config(DECODE_ID, 0)
     injectors: list[FaultInjectingTransport] = []
-    tap = FrameTapControl(ZmqControl())
-    ep = DecodeEndpoint(
-        cfg, layout, transport=_nixl_with_faults(cfg, "decode", rates, seed, injectors), control=tap
-    )
-    ep.start()
-    addr = PrefillAddress(PREFILL_ID, prefill[0], prefill[1], 1)
-    with contextlib.suppress(Exception):  # a frozen or restarting prefill: expect() connects lazily
-        ep.connect(addr, timeout=2.0)
+    taps = [FrameTapControl(ZmqControl()) for _ in caches]
+    eps = [
+        DecodeEndpoint(
+            cfg,
+            c.layout,
+            transport=_nixl_with_faults(cfg, "decode", r, rates, seed + r, injectors),
+            control=tap,
+        )
+        for r, (c, tap) in enumerate(zip(caches, taps, strict=True))
+    ]
+    for ep in eps:
+        ep.start()
+    addr = PrefillAddress(PREFILL_ID, prefill[0], prefill[1], prefill[2])
+    for ep in eps:
+        with contextlib.suppress(Exception):  # a frozen or restarting prefill: expect() connects lazily
+            ep.connect(addr, timeout=2.0)
+
+    def dirty(blocks: list[int]) -> int:
+        return sum(count_dirty_bytes(c.buffer, c.layout, blocks) for c in caches)
+
+    def scrubbed(blocks: list[int]) -> None:
+        for c in caches:
+            scrub(c.buffer, c.layout, blocks)
+
     live: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # (request, blocks) -> (tokens, tag)
+    ready = _RankResults(geo.tp_size)
     conn.send(("up", None))
     try:
         while True:
@@ -125,48 +203,71 @@ def decode_main(
                 cmd = conn.recv()
                 if cmd[0] == "expect":
                     _, rid, blocks, n, tag = cmd
-                    dirty = count_dirty_bytes(buf, layout, blocks)
-                    if dirty:
-                        which = [b for b in blocks if count_dirty_bytes(buf, layout, [b])]
-                        conn.send(("stale", rid, dirty, f"at reallocation, blocks {which[:8]}"))
-                        scrub(buf, layout, blocks)
+                    found = dirty(blocks)
+                    if found:
+                        which = [b for b in blocks if dirty([b])]
+                        conn.send(("stale", rid, found, f"at reallocation, blocks {which[:8]}"))
+                        scrubbed(blocks)
                     live[(rid, tuple(blocks))] = (n, tag)
-                    ep.expect(rid, blocks, n, addr)
+                    for ep in eps:
+                        ep.expect(rid, blocks, n, addr)
                 elif cmd[0] == "abort":
-                    ep.abort(cmd[1], "soak: aborted by the decode engine")
+                    for ep in eps:
+                        ep.abort(cmd[1], "soak: aborted by the decode engine")
                 elif cmd[0] == "capture":
-                    conn.send(("captured", tap.captured()))
+                    conn.send(("captured", taps[0].captured()))
                 elif cmd[0] == "audit":
-                    marked = [b for b in cmd[1] if count_dirty_bytes(buf, layout, [b])]
-                    conn.send(("audit", count_dirty_bytes(buf, layout, cmd[1]), marked[:20]))
+                    marked = [b for b in cmd[1] if dirty([b])]
+                    conn.send(("audit", dirty(cmd[1]), marked[:20]))
                 elif cmd[0] == "audit_lent":  # blocks lent to a cross-peer attack: written? then clean
-                    conn.send(("lent_audit", count_dirty_bytes(buf, layout, cmd[1]), cmd[1]))
-                    scrub(buf, layout, cmd[1])
+                    conn.send(("lent_audit", dirty(cmd[1]), cmd[1]))
+                    scrubbed(cmd[1])
                 elif cmd[0] == "stats":
-                    conn.send(("stats", ep.stats(), ep.pending()))
+                    conn.send(("stats", _summed([ep.stats() for ep in eps]), sum(ep.pending() for ep in eps)))
                 elif cmd[0] == "kept":
-                    conn.send(("kept", ep.kept_state()))
+                    conn.send(("kept", _summed([ep.kept_state() for ep in eps])))
                 elif cmd[0] == "stop":
                     break
-            for res in ep.finished():
-                blocks = [int(b) for b in flat_ids(res.block_ids)[0]]  # one group: the table itself
-                n, tag = live.pop((res.request_id, tuple(blocks)), (0, 0))
-                wrong = 0
-                if res.ok and n:
-                    if check == "corrupt":  # self-check: a wrong token where a right one was
-                        fill(buf, layout, blocks[:1], 1, tag + 1)
-                    wrong = count_wrong_bytes(buf, layout, blocks, n, tag)
-                scrub(buf, layout, blocks)
-                if check == "stale":  # self-check: a byte lands after the free
-                    fill(buf, layout, blocks[:1], 1, 7)
-                conn.send(("result", res.request_id, res.ok, res.reason, blocks, wrong, n > 0))
+            for ep in eps:
+                for res in ep.finished():
+                    ids = tuple(int(b) for b in flat_ids(res.block_ids)[0])  # one group: the table
+                    done = ready.add(res.request_id, ids, res.ok, res.reason)
+                    if done is not None:
+                        _report_ready(conn, caches, live, res.request_id, ids, done, check)
             _send_faults(conn, injectors)
     except (EOFError, OSError):
         pass
     finally:
-        ep.close()
+        for ep in eps:
+            ep.close()
         with contextlib.suppress(OSError):
             conn.send(("bye",))
+
+
+def _report_ready(
+    conn: Connection,
+    caches: list[HostKVCache],
+    live: dict[tuple[str, tuple[int, ...]], tuple[int, int]],
+    rid: str,
+    ids: tuple[int, ...],
+    done: tuple[bool, str],
+    check: str,
+) -> None:
+    """Every decode rank finished a request: check each rank's bytes if it is ready, scrub its blocks,
+    and tell the driver (the blocks are free for it again)."""
+    blocks = list(ids)
+    n, tag = live.pop((rid, ids), (0, 0))
+    ok, reason = done
+    wrong = 0
+    if ok and n:
+        if check == "corrupt":  # self-check: a wrong token where a right one was
+            fill(caches[0].buffer, caches[0].layout, blocks[:1], 1, tag + 1)
+        wrong = sum(count_wrong_bytes(c.buffer, c.layout, blocks, n, tag) for c in caches)
+    for c in caches:
+        scrub(c.buffer, c.layout, blocks)
+    if check == "stale":  # self-check: a byte lands after the free
+        fill(caches[0].buffer, caches[0].layout, blocks[:1], 1, 7)
+    conn.send(("result", rid, ok, reason, blocks, wrong, n > 0))
 
 
 def attacker_main(conn: Connection, port: int, self_check_key: bytes | None, holder_key: bytes) -> None:

@@ -13,14 +13,25 @@ import threading
 class Relay:
     """Listens on an ephemeral port and forwards each connection to target_port; reset() sends a TCP RST
     both ways on every connection it carries, and keeps listening. While `blackhole` is set, new
-    connections are accepted and never forwarded (a partition behind the middlebox)."""
+    connections are accepted and never forwarded (a partition behind the middlebox).
 
-    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
-        self.target = (host, target_port)
-        self.server = socket.create_server((host, 0))
+    ranks > 1 (a TP prefill, rank r at base port + r): it listens on `ranks` consecutive ports from
+    listen_port and forwards port + r to target_port + r, so a decode dials it as it would the prefill."""
+
+    def __init__(
+        self, target_port: int, host: str = "127.0.0.1", ranks: int = 1, listen_port: int = 0
+    ) -> None:
+        if ranks > 1 and not listen_port:
+            raise ValueError("a relay for several ranks needs listen_port: a range of free ports")
+        self.servers = {
+            socket.create_server((host, listen_port + r if listen_port else 0)): (host, target_port + r)
+            for r in range(ranks)
+        }
+        self.server = next(iter(self.servers))  # rank 0's
         self.port: int = self.server.getsockname()[1]
         self.sel = selectors.DefaultSelector()
-        self.sel.register(self.server, selectors.EVENT_READ)
+        for server in self.servers:
+            self.sel.register(server, selectors.EVENT_READ)
         self.pairs: dict[socket.socket, socket.socket] = {}
         self.lock = threading.Lock()
         self.resets = 0
@@ -35,18 +46,18 @@ class Relay:
             for key, _ in self.sel.select(0.05):
                 sock: socket.socket = key.fileobj  # type: ignore[assignment]
                 with self.lock:
-                    if sock is self.server:
-                        self._accept()
+                    if sock in self.servers:
+                        self._accept(sock)
                     elif sock in self.pairs:
                         self._forward(sock)
 
-    def _accept(self) -> None:
-        client, _ = self.server.accept()
+    def _accept(self, server: socket.socket) -> None:
+        client, _ = server.accept()
         if self.blackhole:
             self.held.append(client)
             return
         try:
-            upstream = socket.create_connection(self.target, timeout=2)
+            upstream = socket.create_connection(self.servers[server], timeout=2)
         except OSError:
             client.close()
             return
@@ -104,4 +115,5 @@ class Relay:
         self.reset()
         self.heal()
         self.sel.close()
-        self.server.close()
+        for server in self.servers:
+            server.close()
