@@ -10,6 +10,7 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -97,13 +98,19 @@ def make_cache(layout: KVLayout, device: str) -> Any:
     return HostKVCache(layout)
 
 
+def summed_counters(per_rank: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Per-rank counters added up, key by key (what a process of several ranks reports as one engine;
+    zeros kept, unlike Counter's addition)."""
+    agg: dict[str, int] = {}
+    for counts in per_rank:
+        for k, v in counts.items():
+            agg[k] = agg.get(k, 0) + v
+    return agg
+
+
 def _stats_reply(eps: list[Any], alloc: BlockPool, geo: Geometry) -> tuple[Any, ...]:
     """Counters summed over this process's ranks, and how many blocks are free (all, if none leaked)."""
-    agg: dict[str, int] = {}
-    for ep in eps:
-        for k, v in ep.stats().items():
-            agg[k] = agg.get(k, 0) + v
-    return ("stats", agg, alloc.num_free, geo.num_blocks)
+    return ("stats", summed_counters(ep.stats() for ep in eps), alloc.num_free, geo.num_blocks)
 
 
 def _shut_down(conn: Connection, eps: list[Any], raw: Any) -> None:

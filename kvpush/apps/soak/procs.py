@@ -14,7 +14,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from kvpush.apps.demo.pattern import count_dirty_bytes, count_wrong_bytes, fill, scrub
-from kvpush.apps.demo.procs import Geometry
+from kvpush.apps.demo.procs import Geometry, summed_counters
 from kvpush.apps.soak.common import DECODE_ID, PREFILL_ID, soak_config
 from kvpush.apps.soak.stream import StreamedPrefill
 from kvpush.apps.soak.tap import FrameTapControl
@@ -54,15 +54,6 @@ def _send_faults(conn: Connection, injectors: list[FaultInjectingTransport]) -> 
         counts = t.take_counts()
         if counts:
             conn.send(("faults", counts))
-
-
-def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
-    """Per-rank counters added up (what the driver reports for the engine as a whole)."""
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 @dataclass
@@ -126,9 +117,11 @@ def prefill_main(
                         ep.abort(cmd[1], "soak: aborted by the prefill engine")
                         st.aborted(cmd[1])  # a streamed request: its prefill_done follows
                 elif cmd[0] == "stats":
-                    conn.send(("stats", _summed([ep.stats() for ep in eps]), sum(ep.pending() for ep in eps)))
+                    conn.send(
+                        ("stats", summed_counters(ep.stats() for ep in eps), sum(ep.pending() for ep in eps))
+                    )
                 elif cmd[0] == "kept":
-                    conn.send(("kept", _summed([ep.kept_state() for ep in eps])))
+                    conn.send(("kept", summed_counters(ep.kept_state() for ep in eps)))
                 elif cmd[0] == "stop":
                     break
             for st in streams:
@@ -223,9 +216,11 @@ def decode_main(
                     conn.send(("lent_audit", dirty(cmd[1]), cmd[1]))
                     scrubbed(cmd[1])
                 elif cmd[0] == "stats":
-                    conn.send(("stats", _summed([ep.stats() for ep in eps]), sum(ep.pending() for ep in eps)))
+                    conn.send(
+                        ("stats", summed_counters(ep.stats() for ep in eps), sum(ep.pending() for ep in eps))
+                    )
                 elif cmd[0] == "kept":
-                    conn.send(("kept", _summed([ep.kept_state() for ep in eps])))
+                    conn.send(("kept", summed_counters(ep.kept_state() for ep in eps)))
                 elif cmd[0] == "stop":
                     break
             for ep in eps:
