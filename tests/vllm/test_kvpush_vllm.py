@@ -75,6 +75,15 @@ def _wait(pred, timeout: float = 20.0, step: float = 0.25):
     return pred()
 
 
+def _complete_or_say_why(dep, model: str, prompt: str, max_tokens: int) -> list[int]:
+    """client.complete through the proxy; an error status fails with its body and the processes' logs."""
+    try:
+        return client.complete(dep.url, model, prompt, max_tokens)
+    except urllib.error.HTTPError as exc:
+        logs = "\n".join(f"--- {p.name} ({p.log_path}):\n{p.tail(15)}" for p in dep.procs)
+        pytest.fail(f"the proxy answered {exc.code}: {exc.read()[:1000]!r}\n{logs}")
+
+
 def test_outputs_equal_single_engine_token_for_token(pd, single, model: str) -> None:
     prompts = client.make_prompts(24, LENGTHS, seed=7)
     want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
@@ -207,7 +216,7 @@ def test_abort_mid_flight_releases_blocks_on_both_sides(pd, model: str) -> None:
         timeout=30,
     )
     # and the pair still serves
-    assert len(client.complete(pd.url, model, "import os", 4)) == 4
+    assert len(_complete_or_say_why(pd, model, "import os", 4)) == 4
 
 
 # waves of 8 early disconnects in CI (a few seconds each on 2 cores); KVPUSH_STRESS_WAVES=10 for a longer run,

@@ -184,6 +184,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-pp-size", action="append", type=int)
     parser.add_argument("--connect-timeout", type=positive_float, default=5.0)
     parser.add_argument("--request-timeout", type=positive_float, default=600.0)
+    parser.add_argument(
+        "--backend-keepalive",
+        type=positive_float,
+        default=ProxyConfig.backend_keepalive_s,
+        help="seconds an idle connection to a backend is reused; keep it below the backends' own "
+        "keep-alive (vLLM: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default) (default: %(default)s)",
+    )
     parser.add_argument("--log-level", type=log_level, default="WARNING")
     d = ProxyConfig(prefill=[], decode=[])
     limits = parser.add_argument_group("client-facing limits (SECURITY.md, 'The proxy')")
@@ -290,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         pairing_key=_pairing_key(args.hmac_key_file) if pairing else None,
         connect_timeout_s=args.connect_timeout,
         request_timeout_s=args.request_timeout,
+        backend_keepalive_s=args.backend_keepalive,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         max_json_depth=args.max_json_depth,

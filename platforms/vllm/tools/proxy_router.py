@@ -36,6 +36,11 @@ class ProxyConfig:
     pairing_key: bytes | None = field(default=None, repr=False)
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
+    # An idle connection to a backend is reused for at most this long. It must stay below the backends'
+    # own keep-alive (vLLM closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default):
+    # a request written on a connection the server is closing is lost (ServerDisconnectedError, a 502),
+    # and aiohttp retries no POST. aiohttp's own default is 15 s.
+    backend_keepalive_s: float = 4.0
     # Client-facing limits (proxy_http.py). A body: at most max_body_bytes, all of it within
     # body_timeout_s, nested at most max_json_depth deep. Connections: at most max_connections, idle
     # ones (or ones still sending headers) closed after idle_timeout_s.
@@ -70,6 +75,7 @@ _POSITIVE = (
     "idle_timeout_s",
     "write_timeout_s",
     "timings_max_records",
+    "backend_keepalive_s",
 )
 
 
@@ -120,7 +126,10 @@ class Router:
             total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
         )
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, force_close=False)
+            timeout=timeout,
+            connector=aiohttp.TCPConnector(
+                limit=0, force_close=False, keepalive_timeout=self.cfg.backend_keepalive_s
+            ),
         )
         if self.pairings:
             self._pairing_task = asyncio.ensure_future(self._keep_checking())
