@@ -79,6 +79,16 @@ _POSITIVE = (
 )
 
 
+def backend_session(cfg: ProxyConfig) -> Any:
+    """The pooled HTTP session to the backends: the request and connect timeouts, and idle connections
+    dropped before a backend's own keep-alive closes them (ProxyConfig.backend_keepalive_s)."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=cfg.backend_keepalive_s)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector)
+
+
 class Router:
     """Round robin over prefill and decode backends, and the two dispatch modes."""
 
@@ -120,17 +130,7 @@ class Router:
         self.timings = TimingsLog(cfg.timings_token, cfg.timings_max_records)
 
     async def start(self) -> None:
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(
-            total=self.cfg.request_timeout_s, sock_connect=self.cfg.connect_timeout_s
-        )
-        self._session = aiohttp.ClientSession(
-            timeout=timeout,
-            connector=aiohttp.TCPConnector(
-                limit=0, force_close=False, keepalive_timeout=self.cfg.backend_keepalive_s
-            ),
-        )
+        self._session = backend_session(self.cfg)
         if self.pairings:
             self._pairing_task = asyncio.ensure_future(self._keep_checking())
 
