@@ -228,3 +228,189 @@ def test_no_module_in_kvpush_passes_500_lines():
         if (n := len(p.read_text().splitlines())) > 500
     }
     assert not big, f"modules over 500 lines: {big}"
+
+
+# ---- classes measured with their in-tree bases ----------------------------------------------------------
+
+CLASS_FAMILY_LIMIT = 400
+# Bases whose annotated class-body names are fields, not borrowed attributes.
+_FIELD_BASES = {
+    "Struct",
+    "Protocol",
+    "NamedTuple",
+    "TypedDict",
+    "Enum",
+    "IntEnum",
+    "StrEnum",
+    "Flag",
+    "Exception",
+}
+
+
+class _Class:
+    def __init__(self, module: str, node: ast.ClassDef, imports: dict[str, str]) -> None:
+        self.module, self.node, self.imports = module, node, imports
+        self.name = f"{module}.{node.name}"
+        self.lines = (node.end_lineno or node.lineno) - node.lineno + 1
+
+    def base_names(self) -> list[str]:
+        """Each base as a dotted name resolved through the module's imports (Generic[X] -> Generic)."""
+        out = []
+        for base in self.node.bases:
+            while isinstance(base, ast.Subscript):
+                base = base.value
+            if isinstance(base, ast.Name):
+                out.append(self.imports.get(base.id, f"{self.module}.{base.id}"))
+            elif isinstance(base, ast.Attribute):
+                out.append(ast.unparse(base))
+        return out
+
+    def is_record(self) -> bool:
+        """A dataclass, Struct, Protocol, enum or exception: its annotated names are its own fields."""
+        for dec in self.node.decorator_list:
+            target = dec.func if isinstance(dec, ast.Call) else dec
+            if ast.unparse(target).split(".")[-1] == "dataclass":
+                return True
+        return any(b.split(".")[-1] in _FIELD_BASES or b.endswith("Error") for b in self.base_names())
+
+
+def _classes() -> dict[str, _Class]:
+    """Every class of the installed tree by its dotted name (module imports resolved, relative too)."""
+    out: dict[str, _Class] = {}
+    for module, path in _tree_modules().items():
+        tree = ast.parse(path.read_text(), str(path))
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        imports: dict[str, str] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                for a in node.names:
+                    imports[a.asname or a.name] = f"{src}.{a.name}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                c = _Class(module, node, imports)
+                out[c.name] = c
+    return out
+
+
+def _resolve(name: str, classes: dict[str, _Class]) -> _Class | None:
+    """The tree's class a dotted name points at, through re-exports (`from .x import C` in a package)."""
+    seen = 0
+    while name not in classes and seen < 8:
+        module, _, attr = name.rpartition(".")
+        mods = _tree_modules()
+        if module not in mods:
+            return None
+        path = mods[module]
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        target = None
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == attr for a in node.names):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    src = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    src = node.module or ""
+                real = next(a.name for a in node.names if (a.asname or a.name) == attr)
+                target = f"{src}.{real}"
+        if target is None:
+            return None
+        name, seen = target, seen + 1
+    return classes.get(name)
+
+
+def _family(c: _Class, classes: dict[str, _Class]) -> list[_Class]:
+    """The class and every base it inherits from inside the tree."""
+    out, todo = [], [c]
+    while todo:
+        k = todo.pop()
+        if k in out:
+            continue
+        out.append(k)
+        todo += [b for n in k.base_names() if (b := _resolve(n, classes)) is not None]
+    return out
+
+
+def class_families_over(limit: int) -> dict[str, int]:
+    classes = _classes()
+    sizes = {name: sum(k.lines for k in _family(c, classes)) for name, c in classes.items()}
+    return {name: n for name, n in sizes.items() if n > limit}
+
+
+def borrowed_attributes() -> dict[str, list[str]]:
+    """Classes that annotate, in their body, names they never assign themselves: attributes a host owns
+    (the mixin pattern). Records (dataclasses, Structs, Protocols, enums, exceptions) declare fields."""
+    classes = _classes()
+    out: dict[str, list[str]] = {}
+    for name, c in classes.items():
+        family = _family(c, classes)
+        if any(k.is_record() for k in family):
+            continue
+        declared = [
+            s.target.id
+            for s in c.node.body
+            if isinstance(s, ast.AnnAssign) and s.value is None and isinstance(s.target, ast.Name)
+        ]
+        assigned = {
+            t.attr
+            for k in family
+            for n in ast.walk(k.node)
+            for t in (n.targets if isinstance(n, ast.Assign) else [getattr(n, "target", None)])
+            if isinstance(t, ast.Attribute)
+            and isinstance(t.value, ast.Name)  # self.x, or cache.x in a factory
+        }
+        borrowed = [d for d in declared if d not in assigned and not d.isupper()]
+        if borrowed:
+            out[name] = borrowed
+    return out
+
+
+def stand_in_methods() -> list[str]:
+    """Methods whose whole body is `raise NotImplementedError` in a class that is not abstract by
+    declaration (abc): a sibling's method stood in for."""
+    out = []
+    for name, c in _classes().items():
+        if any(b.split(".")[-1] in ("ABC", "Protocol") for b in c.base_names()):
+            continue
+        for f in c.node.body:
+            if not isinstance(f, ast.FunctionDef):
+                continue
+            body = [s for s in f.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if (
+                len(body) == 1
+                and isinstance(body[0], ast.Raise)
+                and "NotImplementedError" in ast.unparse(body[0])
+                and not any("abstractmethod" in ast.unparse(d) for d in f.decorator_list)
+            ):
+                out.append(f"{name}.{f.name}")
+    return out
+
+
+def test_the_family_measure_counts_in_tree_bases_through_relative_imports_and_generics():
+    classes = _classes()
+    family = {k.name for k in _family(classes["kvpush.endpoint.decode.ReceiveThread"], classes)}
+    assert "kvpush.endpoint.base.EndpointThread" in family  # through Generic[...] and a relative import
+    assert "kvpush.endpoint.loop.TransferThread" in family
+
+
+def test_no_class_family_passes_400_lines():
+    """A class is as big as what it inherits from inside the tree: splitting one over files by inheritance
+    does not make it smaller (the sender machine was 703 lines over 4 files that way)."""
+    big = class_families_over(CLASS_FAMILY_LIMIT)
+    assert not big, f"classes over {CLASS_FAMILY_LIMIT} lines with their in-tree bases: {big}"
+
+
+def test_no_class_annotates_attributes_it_does_not_own():
+    assert not borrowed_attributes(), f"classes declaring attributes a host owns: {borrowed_attributes()}"
+
+
+def test_no_method_stands_in_for_a_siblings():
+    assert not stand_in_methods(), (
+        f"NotImplementedError stand-ins outside abstract classes: {stand_in_methods()}"
+    )
