@@ -414,10 +414,3 @@ def _check_stride_order(
         raise LayoutError(
             f"{what}: strides disagree with the backend's declared stride order {declared.stride_order}"
         )
-
-
-def expand_blocks(block_ids: list[int] | tuple[int, ...], ratio: int) -> list[int]:
-    """vLLM block ids -> kernel block ids when one vLLM block spans `ratio` kernel blocks."""
-    if ratio == 1:
-        return list(block_ids)
-    return [b * ratio + i for b in block_ids for i in range(ratio)]
