@@ -106,7 +106,7 @@ class SenderState:
         if screened is not None:
             return screened
         req = self._requests.get(reg.request_id) or self._open(reg.request_id, now, "registration_first")
-        return self._done(req, req.on_registration(reg, now, align))
+        return self._answer(req, req.on_registration(reg, now, align))
 
     def on_prefill_done(
         self,
@@ -129,7 +129,7 @@ class SenderState:
                 return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.ABORTED)]
             self._tombstones.forget(request_id)  # another engine's word about a request not its own
         req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first")
-        return self._done(req, req.on_prefill_done(block_ids, num_tokens, now, decode_engine_id))
+        return self._answer(req, req.on_prefill_done(block_ids, num_tokens, now, decode_engine_id))
 
     def on_kv_ready(
         self,
@@ -146,7 +146,7 @@ class SenderState:
         if self._finished(request_id):
             return []  # finished or aborted already: prefill_done (if it comes) answers
         req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first")
-        return self._done(req, req.on_kv_ready(block_ids, num_tokens, layers, now, decode_engine_id))
+        return self._answer(req, req.on_kv_ready(block_ids, num_tokens, layers, now, decode_engine_id))
 
     def on_source_blocks(
         self,
@@ -162,7 +162,7 @@ class SenderState:
         if self._finished(request_id):
             return []  # nothing to write, or already finished: prefill_done answers
         req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first", sourced=True)
-        return self._done(req, req.on_source_blocks(block_ids, num_tokens, now, decode_engine_id))
+        return self._answer(req, req.on_source_blocks(block_ids, num_tokens, now, decode_engine_id))
 
     def on_write_done(
         self,
@@ -181,7 +181,7 @@ class SenderState:
         req = self._requests.get(request_id)
         if req is None:
             return []
-        return self._done(
+        return self._answer(
             req, req.on_write_done(attempt, decode_rank, ok, nbytes, reason, now, abandoned, kind)
         )
 
@@ -192,7 +192,7 @@ class SenderState:
         if req is None:
             self._tombstones.prefill_aborted(request_id, now)
             return []
-        return self._done(req, req.on_abort(reason, kind, now))
+        return self._answer(req, req.on_abort(reason, kind, now))
 
     def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
         """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
@@ -215,12 +215,12 @@ class SenderState:
             if tomb is None or tomb.attempt < msg.attempt:
                 self._tombstones.decode_aborted(msg.request_id, msg.attempt, msg.decode_engine_id, now)
             return [ack]
-        return self._done(req, req.on_decode_abort(msg, ack, now))
+        return self._answer(req, req.on_decode_abort(msg, ack, now))
 
     def on_tick(self, now: float) -> list[SenderAction]:
         actions: list[SenderAction] = []
         for req in list(self._requests.values()):
-            actions += self._done(req, req.on_tick(now))
+            actions += self._answer(req, req.on_tick(now))
         self._tombstones.expire(now)
         return actions
 
@@ -232,7 +232,7 @@ class SenderState:
         for req in list(self._requests.values()):
             release = req.on_close(reason)
             if release is not None:
-                out += self._done(req, [release])
+                out += self._answer(req, [release])
         return out
 
     # ---- internals --------------------------------------------------------------------------------
@@ -243,7 +243,7 @@ class SenderState:
         self._requests[request_id] = req
         return req
 
-    def _done(self, req: SendRequest, actions: list[SenderAction]) -> list[SenderAction]:
+    def _answer(self, req: SendRequest, actions: list[SenderAction]) -> list[SenderAction]:
         """`actions`, after dropping `req` if they finished it: a tombstone remembers it for a while."""
         if req.closed_at is not None:
             del self._requests[req.request_id]

@@ -56,6 +56,8 @@ class Stop(NamedTuple):
 
 @dataclass(eq=False)
 class Attempt:
+    """One decode engine's attempt at a request: the decode ranks owed in it and their WRITEs."""
+
     request_id: str
     rules: SendRules
     number: int = -1  # -1: no attempt yet (or its claim was dropped)

@@ -29,6 +29,9 @@ from .wire import Abort, Registration
 
 @dataclass(eq=False)
 class SendRequest:
+    """One request this prefill rank may push: its events in, actions out. `closed_at` set means it is
+    finished; the table (SenderState) then drops it and keeps a tombstone."""
+
     request_id: str
     rules: SendRules
     deadline: float
