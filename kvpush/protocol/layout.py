@@ -334,27 +334,6 @@ class KVLayout:
         )
 
 
-def check_block_table(
-    layout: KVLayout, block_ids: Sequence[int], num_tokens: int, who: str
-) -> tuple[int, ...]:
-    """The first blocks that hold num_tokens tokens, or LayoutError naming what is wrong (the one check of a
-    block table: the engine calls run it at once, the planner again on what peers send)."""
-    blocks = tuple(map(int, block_ids))  # map and min/max: this runs per WRITE on the push thread
-    needed = blocks_for(num_tokens, layout.block_size)
-    if len(blocks) < needed:
-        raise LayoutError(
-            f"{who}: {len(blocks)} blocks of {layout.block_size} tokens cannot hold "
-            f"{num_tokens} tokens ({needed} needed)"
-        )
-    if blocks and (min(blocks) < 0 or max(blocks) >= layout.num_blocks):
-        bad = [b for b in blocks if not 0 <= b < layout.num_blocks]
-        raise LayoutError(f"{who}: block ids {bad[:5]} outside 0..{layout.num_blocks - 1}")
-    head = blocks[:needed]
-    if len(set(head)) != needed:
-        raise LayoutError(f"{who}: block table repeats a block id")
-    return head
-
-
 def packed_planes(layout: KVLayout, base_addr: int, device_id: int = 0) -> KVLayout:
     """Place every plane back to back in one region starting at base_addr (a host buffer, say); a
     block_major layout places the planes inside each block instead (plane i at i x block bytes)."""

@@ -1,12 +1,13 @@
-"""What one StartWrite becomes on the wire, in one pure call: the plan and the sealed notification.
+"""What one StartWrite and one NotifyFailure become on the wire: pure calls the push thread makes.
 
-The push thread makes one trip into protocol/ per WRITE (`write_order`), and one per failure it tells a
-decode rank (`failure_notice`); the sender machine, the planner and the session stay behind these two.
+A WRITE is two calls, which the push thread makes (and times) apart, and between which it may also plan
+by itself (a side prepared before the trigger) or make the WRITE ahead of prefill_done: `write_plan`
+(which bytes go where: indices into the pair's prepared lists, or fresh descriptor lists) and
+`sealed_done` (the TransferDone the WRITE carries, sealed for the decode rank's session). A failure the
+decode rank must hear of is one call, `failure_notice`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from ..errors import LayoutError
 from .groups import single_table
@@ -20,29 +21,13 @@ from .wire import TransferDone, TransferFailed
 NOTIF = b"notif"  # the session channel NIXL notifications are sealed on
 
 
-@dataclass(frozen=True)
-class WriteOrder:
-    """Everything a WRITE needs from the protocol: which bytes go where, and the decode's notification."""
-
-    plan: TransferPlan | IndexPlan
-    notif: bytes  # TransferDone, sealed for the destination rank's session
-
-
-def write_order(
-    act: StartWrite, src: KVLayout, dst: KVLayout, units: PairUnits | None, session: Session
-) -> WriteOrder:
-    """The WRITE for `act` from this rank's layout `src` into the decode rank's `dst`: indices into the
-    pair's prepared lists when it has them (`units`), else fresh descriptor lists. A streamed range
-    (tokens from `act.token_start`, `act.layers`) is planned on the tables from its first block on; it
-    carries the notification only when `act.notify`. LayoutError if the blocks do not fit."""
-    plan = write_plan(act, src, dst, units)
-    return WriteOrder(plan, sealed_done(act, src.rank, plan.nbytes, session))
-
-
 def write_plan(
     act: StartWrite, src: KVLayout, dst: KVLayout, units: PairUnits | None
 ) -> TransferPlan | IndexPlan:
-    """write_order's first half, the plan (the push thread times the two halves apart)."""
+    """The plan of `act`'s WRITE from this rank's layout `src` into the decode rank's `dst`: indices into
+    the pair's prepared lists when it has them (`units`), else fresh descriptor lists. A streamed range
+    (tokens from `act.token_start`, `act.layers`) is planned on the tables from its first block on.
+    LayoutError if the blocks do not fit."""
     t0 = act.token_start
     if t0 % src.block_size or t0 % dst.block_size:
         raise LayoutError(
@@ -65,8 +50,8 @@ def write_plan(
 
 
 def sealed_done(act: StartWrite, prefill_rank: int, nbytes: int, session: Session) -> bytes:
-    """write_order's second half: the sealed TransferDone the WRITE carries when `act.notify` (the
-    request's last range), counting the bytes that landed before it; else no notification (b"")."""
+    """The sealed TransferDone the WRITE carries when `act.notify` (the request's last range), counting
+    the bytes that landed before it; else no notification (b"")."""
     if not act.notify:
         return b""
     return done_notice(act.request_id, act.attempt, prefill_rank, act.landed + nbytes, session)

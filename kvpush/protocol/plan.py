@@ -121,6 +121,22 @@ def _runs(src: I64, dst: I64, length: I64, group: I64) -> tuple[I64, I64]:
     return starts, np.add.reduceat(length, starts)
 
 
+def placed_pair(src: KVLayout, dst: KVLayout, heads: tuple[int, int] | None, purpose: str) -> tuple[int, int]:
+    """The heads to move between two compatible layouts placed in memory (default: every head both hold),
+    or LayoutError naming what stops `purpose`."""
+    check_compatible(src, dst)
+    if not src.planes or not dst.planes:
+        raise LayoutError(f"both layouts must be placed in memory (regions and planes) to {purpose}")
+    if heads is None:
+        heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
+    g0, g1 = heads
+    if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
+        raise LayoutError(
+            f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
+        )
+    return heads
+
+
 def build_plan(
     src: KVLayout,
     dst: KVLayout,
@@ -142,18 +158,9 @@ def build_plan(
     """
     if merge_layers is None:
         merge_layers = src.kind == dst.kind == "block-major"
-    check_compatible(src, dst)
     if num_tokens <= 0:
         raise LayoutError(f"num_tokens must be > 0, got {num_tokens}")
-    if not src.planes or not dst.planes:
-        raise LayoutError("both layouts must be placed in memory (regions and planes) to plan a transfer")
-    if heads is None:
-        heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
-    g0, g1 = heads
-    if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
-        raise LayoutError(
-            f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
-        )
+    heads = placed_pair(src, dst, heads, "plan a transfer")
     layers = range(src.num_layers) if layers is None else layers
     if layers and (layers.start < 0 or layers.stop > src.num_layers):
         raise LayoutError(f"layers {layers} outside 0..{src.num_layers - 1}")
@@ -173,7 +180,7 @@ def build_plan(
         s_tab = np.asarray(s_tabs[g], dtype=np.int64)
         d_tab = np.asarray(d_tabs[g], dtype=np.int64)
         tokens = group_tokens(src, g, num_tokens)
-        s_off, d_off, length = _plane_pattern(src, dst, s_tab, d_tab, tokens, (g0, g1))
+        s_off, d_off, length = _plane_pattern(src, dst, s_tab, d_tab, tokens, heads)
         order = np.argsort(s_off, kind="stable")
         s_off, d_off, length = s_off[order], d_off[order], length[order]
         starts, length = _runs(s_off, d_off, length, np.zeros_like(s_off))

@@ -30,8 +30,8 @@ import numpy as np
 
 from ..errors import LayoutError
 from .groups import BlockIds, Table, TableArg, as_block_ids, check_group_tables, is_flat
-from .layout import KVLayout, blocks_for, check_compatible
-from .plan import group_tokens
+from .layout import KVLayout, Plane, blocks_for
+from .plan import group_tokens, placed_pair
 from .units import I32, I64, IndexPlan, PairUnits, SideUnits
 
 __all__ = ["Half", "IndexPlan", "PairUnits", "SideUnits", "build_index_plan", "half_plan", "pair_units"]
@@ -65,58 +65,30 @@ def _slots(layout: KVLayout, mode: str, chunk: int, heads: tuple[int, int]) -> t
     return nh * per, ((k // per) * bs + (k % per) * chunk) * u
 
 
+_Row = tuple[int, int, int, int, int]  # (addr, len, device, stride, count), as NIXL's prep_xfer_dlist takes
+
+
 def _side(layout: KVLayout, mode: str, chunk: int, unit: int, heads: tuple[int, int]) -> SideUnits:
     slots, slot_off = _slots(layout, mode, chunk, heads)
-    bb, stride, nb = layout.block_bytes, layout.block_stride, layout.num_blocks
     planes = [
         layout.plane(layer, kv) for layer in range(layout.num_layers) for kv in range(layout.kv_per_layer)
     ]
-    block_dense = slots * unit == bb and bool(np.all(slot_off == np.arange(slots) * unit))
+    block_dense = slots * unit == layout.block_bytes and bool(np.all(slot_off == np.arange(slots) * unit))
     by_region: dict[int, list[int]] = {}
     for i, p in enumerate(planes):
         by_region.setdefault(p.region, []).append(i)
-    dense = block_dense
-    block_outer = False
-    if dense:
-        for members in by_region.values():
-            offs = sorted(planes[i].offset for i in members)
-            gaps = {b - a for a, b in itertools.pairwise(offs)}
-            if stride == bb and gaps <= {nb * bb}:
-                continue  # layer-major packed: plane after plane
-            if stride == len(members) * bb and gaps <= {bb}:
-                block_outer = len(members) > 1  # block-major: block after block, planes inside
-                continue
-            dense = False
-            break
+    dense, block_outer = _tiling(layout, planes, by_region) if block_dense else (False, False)
     plane_base = np.empty(len(planes), dtype=np.int64)
-    rows: list[tuple[int, int, int, int, int]] = []
     if dense:
-        start = 0
-        for r in sorted(by_region):
-            members = by_region[r]
-            o0 = min(planes[i].offset for i in members)
-            region = layout.regions[r]
-            count = len(members) * nb * slots
-            rows.append((region.addr + o0, unit, region.device_id, unit, count))
-            for i in members:
-                plane_base[i] = start + (planes[i].offset - o0) // unit
-            start += count
-        blk_mult, slot_mult = stride // unit, 1
-    elif block_dense:  # padded blocks: one dense row per (plane, block), so a block's units still merge
-        for i, p in enumerate(planes):
-            region = layout.regions[p.region]
-            plane_base[i] = i * nb * slots
-            base = region.addr + p.offset
-            rows.extend((base + b * stride, unit, region.device_id, unit, slots) for b in range(nb))
+        rows = _dense_rows(layout, planes, by_region, slots, unit, plane_base)
+        blk_mult, slot_mult = layout.block_stride // unit, 1
+    elif block_dense:
+        rows = _block_rows(layout, planes, slots, unit, plane_base)
         blk_mult, slot_mult = slots, 1
-    else:  # one row per (plane, slot): units of a block are not adjacent, nothing can merge
-        for i, p in enumerate(planes):
-            region = layout.regions[p.region]
-            plane_base[i] = i * slots * nb
-            for k in range(slots):
-                rows.append((region.addr + p.offset + int(slot_off[k]), unit, region.device_id, stride, nb))
-        blk_mult, slot_mult = 1, nb
-    total = len(planes) * nb * slots
+    else:
+        rows = _slot_rows(layout, planes, slot_off, unit, plane_base)
+        blk_mult, slot_mult = 1, layout.num_blocks
+    total = len(planes) * layout.num_blocks * slots
     if total > _INT32_MAX:
         raise LayoutError(f"{total} units do not fit NIXL's int32 indices; use a larger block size")
     return SideUnits(
@@ -124,24 +96,76 @@ def _side(layout: KVLayout, mode: str, chunk: int, unit: int, heads: tuple[int, 
         plane_base,
         blk_mult,
         slot_mult,
-        dense or block_dense,
+        block_dense,
         block_outer,
         slots,
     )
 
 
+def _tiling(layout: KVLayout, planes: list[Plane], by_region: dict[int, list[int]]) -> tuple[bool, bool]:
+    """(dense, block_outer): whether the planes tile every region they are in, each region then one dense
+    row of units (layer-major packed: plane after plane; or block-major: block after block, planes inside);
+    block_outer is set by the first block-major region of several planes (regions after a region that
+    does not tile are not looked at)."""
+    bb, stride, nb = layout.block_bytes, layout.block_stride, layout.num_blocks
+    block_outer = False
+    for members in by_region.values():
+        offs = sorted(planes[i].offset for i in members)
+        gaps = {b - a for a, b in itertools.pairwise(offs)}
+        if stride == bb and gaps <= {nb * bb}:
+            continue  # layer-major packed
+        if stride == len(members) * bb and gaps <= {bb}:
+            block_outer = len(members) > 1  # block-major
+            continue
+        return False, block_outer
+    return True, block_outer
+
+
+def _dense_rows(
+    layout: KVLayout, planes: list[Plane], by_region: dict[int, list[int]], slots: int, unit: int, base: I64
+) -> list[_Row]:
+    """Tiled regions: one row per region; a plane's units start at its offset in the region / unit."""
+    rows: list[_Row] = []
+    start = 0
+    for r in sorted(by_region):
+        members = by_region[r]
+        o0 = min(planes[i].offset for i in members)
+        region = layout.regions[r]
+        count = len(members) * layout.num_blocks * slots
+        rows.append((region.addr + o0, unit, region.device_id, unit, count))
+        for i in members:
+            base[i] = start + (planes[i].offset - o0) // unit
+        start += count
+    return rows
+
+
+def _block_rows(layout: KVLayout, planes: list[Plane], slots: int, unit: int, base: I64) -> list[_Row]:
+    """Padded blocks: one dense row per (plane, block), so a block's units still merge."""
+    rows: list[_Row] = []
+    stride, nb = layout.block_stride, layout.num_blocks
+    for i, p in enumerate(planes):
+        region = layout.regions[p.region]
+        base[i] = i * nb * slots
+        start = region.addr + p.offset
+        rows.extend((start + b * stride, unit, region.device_id, unit, slots) for b in range(nb))
+    return rows
+
+
+def _slot_rows(layout: KVLayout, planes: list[Plane], slot_off: I64, unit: int, base: I64) -> list[_Row]:
+    """One row per (plane, slot): units of a block are not adjacent, nothing can merge."""
+    rows: list[_Row] = []
+    stride, nb, slots = layout.block_stride, layout.num_blocks, len(slot_off)
+    for i, p in enumerate(planes):
+        region = layout.regions[p.region]
+        base[i] = i * slots * nb
+        for k in range(slots):
+            rows.append((region.addr + p.offset + int(slot_off[k]), unit, region.device_id, stride, nb))
+    return rows
+
+
 def pair_units(src: KVLayout, dst: KVLayout, heads: tuple[int, int] | None = None) -> PairUnits:
     """Precompute the prepared-list geometry of a (prefill rank, decode rank) pair; both placed in memory."""
-    check_compatible(src, dst)
-    if not src.planes or not dst.planes:
-        raise LayoutError("both layouts must be placed in memory (regions and planes) to prepare lists")
-    if heads is None:
-        heads = (max(src.kv_heads[0], dst.kv_heads[0]), min(src.kv_heads[1], dst.kv_heads[1]))
-    g0, g1 = heads
-    if not (src.kv_heads[0] <= g0 < g1 <= src.kv_heads[1] and dst.kv_heads[0] <= g0 < g1 <= dst.kv_heads[1]):
-        raise LayoutError(
-            f"heads {heads} are not held by both prefill rank {src.kv_heads} and decode rank {dst.kv_heads}"
-        )
+    heads = placed_pair(src, dst, heads, "prepare lists")
     mode, chunk, unit = _mode(src, dst, heads)
     kvs = range(src.kv_per_layer)
     layer = np.asarray([layer for layer in range(src.num_layers) for _ in kvs], dtype=np.int64)

@@ -3,7 +3,9 @@
 It takes events (a registration from a decode rank, prefill done, a WRITE's outcome, an abort, the clock)
 and returns actions (start a WRITE, tell a decode rank we will not write, release source blocks). It
 never touches a socket, a thread or NIXL, so every event order can be tested with a fake clock
-(tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py).
+(tests/protocol/test_protocol_sim.py, tests/protocol/test_transitions.py). SenderState keeps the table of
+live requests, the tombstones of finished ones and the ownership checks that need both; each live request
+is a SendRequest (sender_request.py) that takes the events for it and returns the actions.
 
 Each decode rank this prefill rank owes KV to, within a request's current attempt, is in one named
 `DecodeRankState`; `SENDER_TRANSITIONS` is the whole table of what may happen to it. An event the table does
@@ -24,8 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
-from .claims import NO_OWNER, Tombstones, claimed_by_other, foreign
-from .groups import BlockIds, single_table
+from .claims import NO_OWNER, Tombstone, Tombstones, claimed_by_other, foreign
+from .groups import BlockIds
 from .ranges import StreamPolicy
 from .reasons import Failure
 from .sender_actions import Arm as Arm
@@ -37,21 +39,20 @@ from .sender_actions import NotifyFailure as NotifyFailure
 from .sender_actions import ReleaseSource as ReleaseSource
 from .sender_actions import SenderAction as SenderAction
 from .sender_actions import StartWrite as StartWrite
-from .sender_arm import Arming
-from .sender_arm import disarm as disarm
-from .sender_end import RequestEnding
+from .sender_attempt import SendRules
+from .sender_request import SendRequest
 from .sender_table import SENDER_TRANSITIONS as SENDER_TRANSITIONS
 from .sender_table import DecodeRankState as DecodeRankState
-from .sender_table import Entry, Trouble, refusal
 from .sender_table import RankEvent as RankEvent
 from .sender_table import SendPhase as SendPhase
+from .sender_table import late, refusal
 from .sender_table import sender_transition as sender_transition
 from .table import IGNORE as IGNORE
-from .tp import owed_heads, owes_nothing, writer_ranks
-from .wire import Registration
+from .tp import owes_nothing, writer_ranks
+from .wire import Abort, Registration
 
 
-class SenderState(Arming, RequestEnding):
+class SenderState:
     """One prefill rank's view of every request it may push."""
 
     def __init__(
@@ -65,95 +66,47 @@ class SenderState(Arming, RequestEnding):
         num_layers: int = 1,
         stream: StreamPolicy | None = None,
     ) -> None:
-        self.rank = prefill_rank
-        self.tp = prefill_tp
-        self.total_kv_heads = total_kv_heads
-        self.lease_s = lease_s
+        self.rules = SendRules(
+            prefill_rank,
+            prefill_tp,
+            total_kv_heads,
+            lease_s,
+            num_layers,
+            stream if stream is not None else StreamPolicy(),
+        )
         self.tombstone_s = tombstone_s
-        self.num_layers = num_layers
-        self.stream = stream if stream is not None else StreamPolicy()
         self.owes_nothing = owes_nothing(prefill_rank, prefill_tp, total_kv_heads)
-        self._entries: dict[str, Entry] = {}
+        self._requests: dict[str, SendRequest] = {}
         self._tombstones = Tombstones(tombstone_s, abort_tombstones_per_engine)
 
     # ---- queries ----------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._requests)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._entries
+        return request_id in self._requests
 
     def pending(self) -> list[str]:
-        return list(self._entries)
+        return list(self._requests)
 
     def rank_states(self, request_id: str) -> dict[int, DecodeRankState]:
         """decode rank -> state for the request's current attempt (empty if unknown); for tests and logs."""
-        entry = self._entries.get(request_id)
-        return {} if entry is None else {d: r.state for d, r in entry.ranks.items()}
+        req = self._requests.get(request_id)
+        return {} if req is None else {d: r.state for d, r in req.current.ranks.items()}
+
+    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
+        """True while a WRITE towards that decode rank may be in flight, or is made ahead (its peer must
+        not be pruned)."""
+        return any(req.writing_to(decode_engine_id, decode_rank) for req in self._requests.values())
 
     # ---- events -----------------------------------------------------------------------------------
     def on_registration(self, reg: Registration, now: float, align: int = 1) -> list[SenderAction]:
         """`align`: streamed ranges into this rank start on multiples of it (the lcm of both block sizes)."""
-        fail = self._refuse_registration(reg)
-        if fail:
-            return [refusal(reg, fail)]
-        # An expired registration is refused only where it would be newly accepted: a late duplicate of
-        # one already accepted must not tell the decode "failed" while that rank's WRITE is in flight.
-        late = "registration arrived after its expiry: not written"
-        expired: list[SenderAction] = [refusal(reg, late, Failure.EXPIRED)] if now >= reg.expires_at else []
-        tomb = self._tombstones.get(reg.request_id)
-        entry = self._entries.get(reg.request_id)
-        owner = entry.owner if entry is not None else tomb.owner if tomb is not None else NO_OWNER
-        if foreign(owner, reg.decode_engine_id):
-            return [refusal(reg, claimed_by_other(reg.request_id))]
-        if entry is None and tomb is not None:
-            if reg.attempt <= tomb.attempt:
-                return []  # a late duplicate of something already finished
-            return [refusal(reg, "source KV already released (request finished on prefill)")]
-        if entry is None:
-            if expired:
-                return expired
-            entry = self._entries[reg.request_id] = Entry(
-                reg.request_id, now + self.lease_s, created_by="registration_first"
-            )
-        if entry.sourced:  # named by source_blocks only: the registration is the first real event
-            entry.created_by, entry.sourced = "registration_first", False
-        if entry.phase is SendPhase.OPEN:
-            entry.owner = reg.decode_engine_id
-        if entry.phase is SendPhase.ENDING:
-            current = entry.ranks.get(reg.decode_rank) if reg.attempt == entry.attempt else None
-            if current is not None and current.state in (DecodeRankState.WRITING, DecodeRankState.DONE):
-                return []  # a duplicate for a rank mid-WRITE or written: the WRITE's outcome answers it
-            if (reg.attempt, reg.decode_rank) in entry.stale_in_flight:
-                return []
-            return [refusal(reg, entry.reason, entry.kind)]
-        if reg.attempt < entry.attempt:
-            return []  # superseded by a newer attempt: never written
-        dropped: list[SenderAction] = []  # WRITEs made ahead for the superseded attempt (sender_arm.py)
-        if reg.attempt > entry.attempt:
-            if expired:
-                return expired  # never supersede the current attempt with one that may not be written
-            dropped = self._new_attempt(
-                entry,
-                reg.attempt,
-                reg.decode_engine_id,
-                reg.decode_tp,
-                owed_heads(self.rank, self.tp, reg.decode_tp, self.total_kv_heads),
-            )
-            entry.deadline = now + self.lease_s
-        rank = entry.ranks.get(reg.decode_rank)
-        if rank is None or reg.decode_tp != entry.decode_tp:
-            why = f"registration for decode rank {reg.decode_rank} (decode TP {reg.decode_tp}) "
-            return [
-                *dropped,
-                refusal(reg, why + f"does not match attempt {entry.attempt}'s decode TP {entry.decode_tp}"),
-            ]
-        if rank.state is DecodeRankState.OWED:
-            if expired:
-                return dropped + expired
-            rank.reg, rank.align = reg, align
-        self._move(rank, RankEvent.REGISTER)
-        return dropped + self._advance(entry, now)
+        screened = self._screen(reg, now)
+        if screened is not None:
+            return screened
+        req = self._requests.get(reg.request_id) or self._open(reg.request_id, now, "registration_first")
+        return self._answer(req, req.on_registration(reg, now, align))
 
     def on_prefill_done(
         self,
@@ -170,41 +123,13 @@ class SenderState(Arming, RequestEnding):
         if self.owes_nothing:
             return [ReleaseSource(request_id, block_ids, True, 0, owed_nothing=True)]
         tomb = self._tombstones.get(request_id)
-        if tomb is not None and request_id not in self._entries:
+        if tomb is not None and request_id not in self._requests:
             if not (decode_engine_id and foreign(tomb.owner, decode_engine_id)):
                 why = "request already finished or aborted on prefill"
                 return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.ABORTED)]
             self._tombstones.forget(request_id)  # another engine's word about a request not its own
-        entry = self._entries.get(request_id)
-        if entry is None:
-            entry = self._entries[request_id] = Entry(
-                request_id, now + self.lease_s, created_by="prefill_first"
-            )
-        if entry.sourced:
-            entry.created_by, entry.sourced = "prefill_first", False
-        if entry.src_blocks is not None:
-            why = "duplicate prefill_done: kept the first"
-            return [ReleaseSource(request_id, block_ids, False, 0, why, Failure.REFUSED)]
-        actions: list[SenderAction] = []
-        if decode_engine_id and entry.phase is SendPhase.OPEN:
-            if foreign(entry.owner, decode_engine_id):
-                actions += self._drop_claim(entry)
-            entry.owner = decode_engine_id
-        entry.src_blocks, entry.num_tokens = block_ids, num_tokens
-        if entry.phase is SendPhase.OPEN:
-            entry.deadline = now + self.lease_s
-        if entry.source is not None and entry.source[0] == block_ids:
-            fast = self._post_armed(entry, now)  # only post what was made ahead (sender_arm.py)
-            if fast is not None:
-                return actions + fast
-        flat = single_table(block_ids)
-        if entry.ready_blocks is not None and (
-            flat is None or flat[: len(entry.ready_blocks)] != entry.ready_blocks
-        ):
-            actions += self._end(
-                entry, "prefill_done's block table does not extend kv_ready's", Failure.REFUSED
-            )
-        return actions + self._advance(entry, now)
+        req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first")
+        return self._answer(req, req.on_prefill_done(block_ids, num_tokens, now, decode_engine_id))
 
     def on_kv_ready(
         self,
@@ -218,34 +143,26 @@ class SenderState(Arming, RequestEnding):
         """Streamed push: the first `num_tokens` tokens of `layers` (None: all) are computed into
         `block_ids` (a prefix of prefill_done's table). Ready ranges are posted as the policy allows.
         prefill_done stays the terminal call, after an abort too: its release waits for every WRITE."""
-        if self.owes_nothing or (request_id not in self._entries and request_id in self._tombstones):
+        if self._finished(request_id):
             return []  # finished or aborted already: prefill_done (if it comes) answers
-        entry = self._entries.get(request_id)
-        if entry is None:
-            entry = self._entries[request_id] = Entry(
-                request_id, now + self.lease_s, created_by="prefill_first"
-            )
-        if entry.src_blocks is not None:
-            return []  # prefill_done said it all
-        if entry.sourced:
-            entry.created_by, entry.sourced = "prefill_first", False
-        dropped = disarm(entry)  # a streamed request moves in ranges: nothing made ahead is posted
-        old = entry.ready_blocks
-        if old is not None and (len(block_ids) < len(old) or block_ids[: len(old)] != old):
-            why = "kv_ready's block table does not extend the one reported before"
-            return dropped + self._end(entry, why, Failure.REFUSED) + self._advance(entry, now)
-        entry.ready_blocks = block_ids
-        ready = entry.ready = entry.ready or [0] * self.num_layers
-        for layer in range(*(layers or (0, self.num_layers))):
-            ready[layer] = max(ready[layer], num_tokens)
-        actions = dropped
-        if entry.phase is SendPhase.OPEN:
-            if decode_engine_id:
-                if foreign(entry.owner, decode_engine_id):
-                    actions += self._drop_claim(entry)
-                entry.owner = decode_engine_id
-            entry.deadline = now + self.lease_s
-        return actions + self._advance(entry, now)
+        req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first")
+        return self._answer(req, req.on_kv_ready(block_ids, num_tokens, layers, now, decode_engine_id))
+
+    def on_source_blocks(
+        self,
+        request_id: str,
+        block_ids: BlockIds,
+        num_tokens: int,
+        now: float,
+        decode_engine_id: str = NO_OWNER,
+    ) -> list[SenderAction]:
+        """The engine is computing the prompt into `block_ids` (`num_tokens` tokens), prefill_done to
+        follow: a registered decode rank's WRITE may be made now. A hint, never a claim: ownership and
+        the lease stay as prefill_done and the registrations set them."""
+        if self._finished(request_id):
+            return []  # nothing to write, or already finished: prefill_done answers
+        req = self._requests.get(request_id) or self._open(request_id, now, "prefill_first", sourced=True)
+        return self._answer(req, req.on_source_blocks(block_ids, num_tokens, now, decode_engine_id))
 
     def on_write_done(
         self,
@@ -261,111 +178,119 @@ class SenderState(Arming, RequestEnding):
     ) -> list[SenderAction]:
         """A WRITE settled: completed, failed (`kind` says how), or (abandoned=True) given up at its
         timeout by the edge."""
-        entry = self._entries.get(request_id)
-        if entry is None:
+        req = self._requests.get(request_id)
+        if req is None:
             return []
-        why = f"WRITE failed: {reason}"
-        if abandoned:
-            entry.abandoned.add((attempt, decode_rank))
-        stale = entry.stale_in_flight.get((attempt, decode_rank))
-        if stale is not None:  # a superseded attempt's WRITE settled
-            stale.count -= 1
-            if not ok:
-                stale.trouble = stale.trouble or Trouble(why, kind)
-                stale.trouble.abandoned |= abandoned
-            if stale.count:
-                return []
-            del entry.stale_in_flight[(attempt, decode_rank)]
-            # the decode's superseded attempt waits for a word: its last WRITE's notification, or this
-            told: list[SenderAction] = []
-            if stale.trouble is not None or not stale.final:
-                trouble = stale.trouble or Trouble("superseded by a newer attempt", Failure.SUPERSEDED)
-                told = [self._told(request_id, attempt, stale.engine, decode_rank, trouble)]
-            return told + self._advance(entry, now)
-        rank = entry.ranks.get(decode_rank)
-        if attempt != entry.attempt or rank is None or rank.state is not DecodeRankState.WRITING:
-            return []  # not a WRITE this machine started: the edge reported something twice
-        rank.inflight -= 1
-        actions: list[SenderAction] = []
-        if ok:
-            rank.landed += nbytes
-            entry.nbytes += nbytes
-        else:
-            rank.trouble = rank.trouble or Trouble(why, kind)
-            rank.trouble.abandoned |= abandoned
-        ending = f"WRITE to decode rank {decode_rank} failed: {reason}"
-        if rank.inflight:
-            self._move(rank, RankEvent.SETTLED)
-        elif rank.trouble is not None or (entry.phase is SendPhase.ENDING and not (ok and rank.final_posted)):
-            trouble = rank.trouble or Trouble(entry.reason, entry.kind)
-            self._move(rank, RankEvent.WRITE_FAILED)
-            actions.append(self._told(request_id, attempt, entry.decode_engine_id, decode_rank, trouble))
-        elif rank.final_posted:
-            self._move(rank, RankEvent.WRITE_OK)
-        elif self._complete(entry, rank):
-            self._move(rank, RankEvent.WRITE_OK)
-            actions.append(NotifyDone(request_id, attempt, entry.decode_engine_id, decode_rank, rank.landed))
-        else:
-            self._move(rank, RankEvent.PART_OK)
-        if not ok:
-            actions += self._end(entry, ending, kind)
-        return actions + self._advance(entry, now)
-
-    def writing_to(self, decode_engine_id: str, decode_rank: int) -> bool:
-        """True while a WRITE towards that decode rank may be in flight, or is made ahead (its peer must
-        not be pruned)."""
-        return any(
-            e.decode_engine_id == decode_engine_id
-            and (
-                any(d == decode_rank for _a, d in e.stale_in_flight)
-                or (decode_rank in e.ranks and e.ranks[decode_rank].inflight > 0)
-                or (decode_rank in e.ranks and e.ranks[decode_rank].armed is not None)
-            )
-            for e in self._entries.values()
+        return self._answer(
+            req, req.on_write_done(attempt, decode_rank, ok, nbytes, reason, now, abandoned, kind)
         )
 
+    def abort(
+        self, request_id: str, reason: str, now: float, kind: Failure = Failure.ABORTED
+    ) -> list[SenderAction]:
+        req = self._requests.get(request_id)
+        if req is None:
+            self._tombstones.prefill_aborted(request_id, now)
+            return []
+        return self._answer(req, req.on_abort(reason, kind, now))
+
+    def on_decode_abort(self, msg: Abort, now: float) -> list[SenderAction]:
+        """Decode gave up: write nothing more; each registered rank not mid-WRITE gets a failure as ack."""
+        req = self._requests.get(msg.request_id)
+        tomb = self._tombstones.get(msg.request_id)
+        gave_up = req.abandoned if req is not None else tomb.abandoned if tomb is not None else ()
+        ack = NotifyFailure(  # an abandoned WRITE's bytes may still land: the decode waits for the fence
+            msg.request_id,
+            msg.attempt,
+            msg.decode_engine_id,
+            msg.decode_rank,
+            f"aborted by decode rank {msg.decode_rank}: {msg.reason}",
+            (msg.attempt, msg.decode_rank) in gave_up,
+            Failure.ABORTED,
+        )
+        if foreign(_owner(req, tomb), msg.decode_engine_id):
+            why = f"abort refused: {claimed_by_other(msg.request_id)}"
+            return [NotifyFailure(msg.request_id, msg.attempt, msg.decode_engine_id, msg.decode_rank, why)]
+        if req is None:
+            if tomb is None or tomb.attempt < msg.attempt:
+                self._tombstones.decode_aborted(msg.request_id, msg.attempt, msg.decode_engine_id, now)
+            return [ack]
+        return self._answer(req, req.on_decode_abort(msg, ack, now))
+
+    def on_tick(self, now: float) -> list[SenderAction]:
+        actions: list[SenderAction] = []
+        for req in list(self._requests.values()):
+            actions += self._answer(req, req.on_tick(now))
+        self._tombstones.expire(now)
+        return actions
+
+    def drop_streamed(self, reason: str) -> list[SenderAction]:
+        """Closing: a request that streamed ranges but never heard prefill_done gives its kv_ready blocks
+        back now (the transport is closed, so no WRITE reads them, and the engine can no longer call
+        prefill_done, the terminal call it would otherwise wait for)."""
+        out: list[SenderAction] = []
+        for req in list(self._requests.values()):
+            release = req.on_close(reason)
+            if release is not None:
+                out += self._answer(req, [release])
+        return out
+
     # ---- internals --------------------------------------------------------------------------------
-    def _refuse_registration(self, reg: Registration) -> str:
+    def _open(
+        self, request_id: str, now: float, created_by: EventOrder, sourced: bool = False
+    ) -> SendRequest:
+        req = SendRequest(request_id, self.rules, now + self.rules.lease_s, created_by, sourced)
+        self._requests[request_id] = req
+        return req
+
+    def _answer(self, req: SendRequest, actions: list[SenderAction]) -> list[SenderAction]:
+        """`actions`, after dropping `req` if they finished it: a tombstone remembers it for a while."""
+        if req.closed_at is not None:
+            del self._requests[req.request_id]
+            expiry = req.closed_at + self.tombstone_s
+            self._tombstones.finished(
+                req.request_id, req.current.number, req.owner, expiry, frozenset(req.abandoned)
+            )
+        return actions
+
+    def _finished(self, request_id: str) -> bool:
+        """Nothing to write (this rank owes nothing), or the request finished already."""
+        return self.owes_nothing or (request_id not in self._requests and request_id in self._tombstones)
+
+    def _screen(self, reg: Registration, now: float) -> list[SenderAction] | None:
+        """The answer to a registration the table refuses before any request sees it (None: route it)."""
+        why = self._misrouted(reg)
+        if why:
+            return [refusal(reg, why)]
+        req = self._requests.get(reg.request_id)
+        tomb = self._tombstones.get(reg.request_id)
+        if foreign(_owner(req, tomb), reg.decode_engine_id):
+            return [refusal(reg, claimed_by_other(reg.request_id))]
+        if req is not None:
+            return None
+        if tomb is not None:
+            if reg.attempt <= tomb.attempt:
+                return []  # a late duplicate of something already finished
+            return [refusal(reg, "source KV already released (request finished on prefill)")]
+        return [late(reg)] if now >= reg.expires_at else None
+
+    def _misrouted(self, reg: Registration) -> str:
+        """Why this prefill rank holds nothing for the registering decode rank ("" when it does)."""
+        rank, tp = self.rules.prefill_rank, self.rules.prefill_tp
         if self.owes_nothing:
-            return f"prefill rank {self.rank} owes no decode rank KV: a lower rank writes every head it holds"
+            return f"prefill rank {rank} owes no decode rank KV: a lower rank writes every head it holds"
         try:
-            owners = writer_ranks(reg.decode_rank, reg.decode_tp, self.tp, self.total_kv_heads)
+            owners = writer_ranks(reg.decode_rank, reg.decode_tp, tp, self.rules.total_kv_heads)
         except ValueError as exc:
-            return f"registration does not fit prefill TP {self.tp}: {exc}"
-        if self.rank not in owners:
+            return f"registration does not fit prefill TP {tp}: {exc}"
+        if rank not in owners:
             return (
-                f"prefill rank {self.rank} holds no KV heads for decode rank {reg.decode_rank} "
-                f"(decode TP {reg.decode_tp}, prefill TP {self.tp})"
+                f"prefill rank {rank} holds no KV heads for decode rank {reg.decode_rank} "
+                f"(decode TP {reg.decode_tp}, prefill TP {tp})"
             )
         return ""
 
-    def _advance(self, entry: Entry, now: float) -> list[SenderAction]:
-        """Start what can start, then release the source once nothing can still read it.
 
-        Recurses at most once: `_expire_registrations` ends the entry (phase ENDING) before it calls back
-        here, and an ENDING entry expires nothing, so the inner call cannot recurse again."""
-        actions: list[SenderAction] = []
-        something = entry.src_blocks is not None or entry.ready is not None
-        if entry.phase is SendPhase.OPEN and something:
-            expired = self._expire_registrations(entry, now)
-            if expired:
-                return expired  # it ended the entry and advanced it already
-        if entry.phase is SendPhase.OPEN and something:
-            actions += self._post_ranges(entry, now)
-        elif entry.source is not None:
-            actions += self._arm(entry, now)  # registered before prefill_done: make the WRITE ahead
-        if entry.writing():
-            return actions
-        done = all(r.state is DecodeRankState.DONE for r in entry.ranks.values())
-        if entry.phase is SendPhase.OPEN and entry.ranks and done:
-            assert entry.src_blocks is not None  # DONE ranks were written from it
-            actions.append(ReleaseSource(entry.request_id, entry.src_blocks, True, entry.nbytes))
-            self._finish(entry, None)
-        elif entry.phase is SendPhase.ENDING and entry.src_blocks is not None:
-            actions.append(
-                ReleaseSource(
-                    entry.request_id, entry.src_blocks, False, entry.nbytes, entry.reason, entry.kind
-                )
-            )
-            self._finish(entry, None)
-        return actions
+def _owner(req: SendRequest | None, tomb: Tombstone | None) -> str:
+    """The decode engine a live or finished request belongs to (NO_OWNER: none yet)."""
+    return req.owner if req is not None else tomb.owner if tomb is not None else NO_OWNER

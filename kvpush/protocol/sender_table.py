@@ -1,7 +1,7 @@
-"""The sender machine's records and rules: the per-decode-rank states, the one transition table they move
-through, and the per-request record (`Entry`) the machine keeps. sender.py holds the behaviour (which
-event does what); this module holds what that behaviour may do to a rank, so the table and the data it
-governs change together.
+"""The sender machine's rules for one decode rank: its states, the one transition table they move through,
+and the per-rank record (`Rank`) whose every state change goes through that table. sender_request.py holds
+the behaviour per request (which event does what); this module holds what that behaviour may do to a rank,
+so the table and the data it governs change together.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .claims import NO_OWNER
-from .groups import BlockIds
+from .claims import foreign
+from .ranges import Range
 from .reasons import Failure
-from .sender_actions import EventOrder, NotifyFailure, StartWrite
+from .sender_actions import NotifyFailure, StartWrite
 from .table import IGNORE, Ignore, transition
 from .tp import HeadRange
 from .wire import Registration
@@ -23,6 +23,12 @@ def refusal(reg: Registration, reason: str, kind: Failure = Failure.REFUSED) -> 
     return NotifyFailure(
         reg.request_id, reg.attempt, reg.decode_engine_id, reg.decode_rank, reason, kind=kind
     )
+
+
+def late(reg: Registration) -> NotifyFailure:
+    """The answer to a registration that arrived after its expiry (never to a duplicate of an accepted one:
+    that rank's WRITE may be in flight)."""
+    return refusal(reg, "registration arrived after its expiry: not written", Failure.EXPIRED)
 
 
 class SendPhase(enum.Enum):
@@ -99,19 +105,16 @@ class Trouble:
     kind: Failure
     abandoned: bool = False
 
+    def notice(self, request_id: str, attempt: int, engine: str, decode_rank: int) -> NotifyFailure:
+        """The word the decode rank gets once every WRITE into it settled."""
+        return NotifyFailure(request_id, attempt, engine, decode_rank, self.reason, self.abandoned, self.kind)
 
-@dataclass
-class Rank:
-    heads: HeadRange
-    state: DecodeRankState = DecodeRankState.OWED
-    reg: Registration | None = None
-    align: int = 1  # ranges start on a token where both sides' blocks start (ranges.py)
-    sent: list[int] = field(default_factory=list)  # per layer: tokens posted (in flight or landed)
-    inflight: int = 0  # WRITEs posted and not settled
-    landed: int = 0  # bytes landed so far
-    final_posted: bool = False  # the WRITE carrying the notification is posted
-    trouble: Trouble | None = None
-    armed: StartWrite | None = None  # the WRITE made ahead of prefill_done (sender_arm.py), not posted
+
+def noted(old: Trouble | None, reason: str, kind: Failure, abandoned: bool) -> Trouble:
+    """A failed WRITE's trouble: the first reason stays, an abandoned WRITE marks it abandoned."""
+    trouble = old or Trouble(reason, kind)
+    trouble.abandoned |= abandoned
+    return trouble
 
 
 @dataclass
@@ -125,28 +128,91 @@ class Stale:
 
 
 @dataclass
-class Entry:
-    request_id: str
-    deadline: float
-    created_by: EventOrder
-    phase: SendPhase = SendPhase.OPEN
-    reason: str = ""
-    kind: Failure = Failure.ABORTED
-    src_blocks: BlockIds | None = None  # prefill_done's table (the request is complete)
-    num_tokens: int = 0
-    ready_blocks: tuple[int, ...] | None = None  # kv_ready's table so far (a streamed request)
-    ready: list[int] | None = None  # per layer: tokens computed, as kv_ready reported them
-    attempt: int = -1
-    decode_engine_id: str = ""
-    owner: str = NO_OWNER  # the only decode engine that may act on it (claims.py)
-    decode_tp: int = 0
-    ranks: dict[int, Rank] = field(default_factory=dict)  # owed decode rank -> its state (current attempt)
-    stale_in_flight: dict[tuple[int, int], Stale] = field(default_factory=dict)  # (attempt, rank)
-    nbytes: int = 0
-    abandoned: set[tuple[int, int]] = field(default_factory=set)  # (attempt, rank): a WRITE given up
-    # source_blocks' word before prefill_done: (table, tokens, the decode engine it names or "")
-    source: tuple[BlockIds, int, str] | None = None
-    sourced: bool = False  # created by source_blocks: created_by is set by the first real event
+class Rank:
+    """One owed decode rank in the current attempt: its state (moved only through the table) and what has
+    been posted into it."""
 
-    def writing(self) -> bool:
-        return bool(self.stale_in_flight) or any(r.inflight for r in self.ranks.values())
+    heads: HeadRange
+    state: DecodeRankState = DecodeRankState.OWED
+    reg: Registration | None = None
+    align: int = 1  # ranges start on a token where both sides' blocks start (ranges.py)
+    sent: list[int] = field(default_factory=list)  # per layer: tokens posted (in flight or landed)
+    inflight: int = 0  # WRITEs posted and not settled
+    landed: int = 0  # bytes landed so far
+    final_posted: bool = False  # the WRITE carrying the notification is posted
+    trouble: Trouble | None = None
+    armed: StartWrite | None = None  # the WRITE made ahead of prefill_done (sender_request.py), not posted
+
+    def move(self, event: RankEvent) -> None:
+        """The one place a rank changes state (tests spy on `sender_transition`)."""
+        self.state = sender_transition(self.state, event)
+
+    def expired(self, now: float) -> bool:
+        """Registered, no WRITE started, and its registration's expiry passed: it can never be served."""
+        return (
+            self.state is DecodeRankState.REGISTERED and self.reg is not None and now >= self.reg.expires_at
+        )
+
+    def postable(self) -> bool:
+        """Registered or being written, not failing, and its notification not posted yet."""
+        ok = self.state is DecodeRankState.REGISTERED or self.state is DecodeRankState.WRITING
+        return ok and not self.final_posted and self.trouble is None
+
+    def armable(self, num_tokens: int, now: float, named: str) -> bool:
+        """A WRITE of the whole request (`num_tokens` computed, for the engine `named` or any) may be made
+        ahead for it: registered and untouched, its registration covered and not expired."""
+        reg = self.reg
+        if reg is None or self.state is not DecodeRankState.REGISTERED or self.armed is not None:
+            return False
+        if self.trouble is not None or self.inflight or any(self.sent):
+            return False
+        return (
+            reg.num_tokens <= num_tokens and now < reg.expires_at and not foreign(named, reg.decode_engine_id)
+        )
+
+    def armed_write(self, num_tokens: int, now: float) -> StartWrite | None:
+        """The WRITE made ahead, when prefill_done (`num_tokens`) may post it as it is."""
+        reg = self.reg
+        if self.state is not DecodeRankState.REGISTERED or reg is None:
+            return None
+        if now >= reg.expires_at or reg.num_tokens > num_tokens:
+            return None
+        return self.armed
+
+    def post_armed(self, write: StartWrite, num_layers: int) -> None:
+        self.move(RankEvent.START)
+        self.armed, self.inflight, self.final_posted = None, 1, True
+        self.sent = [write.num_tokens] * num_layers
+
+    def start(self, r: Range, notify: bool) -> None:
+        """A WRITE of range `r` is posted (`notify`: it carries the notification)."""
+        self.move(RankEvent.START)
+        self.inflight += 1
+        self.final_posted = notify
+        self.sent[r.l0 : r.l1] = [r.t1] * (r.l1 - r.l0)
+
+    def settle(self, ok: bool, nbytes: int, reason: str, kind: Failure, abandoned: bool) -> None:
+        """One of its WRITEs settled: the bytes landed, or the rank will not be served."""
+        self.inflight -= 1
+        if ok:
+            self.landed += nbytes
+        else:
+            self.trouble = noted(self.trouble, reason, kind, abandoned)
+
+    def complete(self, prefill_done: bool) -> bool:
+        """Every byte it needs was posted, and prefill_done came (no range is still to come)."""
+        target = self.reg.num_tokens if self.reg is not None else 0
+        return prefill_done and bool(self.sent) and all(s >= target for s in self.sent)
+
+    def disarm(self) -> bool:
+        """Drop the WRITE made ahead, if any (True: there was one, the edge must release it)."""
+        had, self.armed = self.armed is not None, None
+        return had
+
+    def stale(self, engine: str, trouble: Trouble | None) -> Stale | None:
+        """Its WRITEs in flight, fenced as a superseded attempt's (None: none in flight)."""
+        return (
+            Stale(engine, self.inflight, self.final_posted, trouble or self.trouble)
+            if self.inflight
+            else None
+        )

@@ -1,4 +1,4 @@
-"""The sender machine's armed WRITEs (sender_arm.py): source_blocks before prefill_done makes a registered
+"""The sender machine's armed WRITEs (sender_request.py, sender_attempt.py): source_blocks before prefill_done makes a registered
 rank's WRITE ahead (Arm); prefill_done with the same blocks returns that very StartWrite; every other way
 out returns a Disarm for it, exactly once."""
 
