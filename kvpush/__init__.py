@@ -11,55 +11,24 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from . import errors
+from .errors import *  # noqa: F403 - the error tree, named once: errors.__all__
+
 if TYPE_CHECKING:
     from .config import KVPushConfig
     from .endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
-    from .errors import (
-        ConfigError,
-        EndpointClosed,
-        EndpointTimeout,
-        HandshakeTimeout,
-        KVPushError,
-        LayoutError,
-        LocalProtocolError,
-        PeerGone,
-        PeerRefused,
-        ProtocolError,
-        RemoteProtocolError,
-        RequestError,
-        TransportError,
-        WireError,
-    )
     from .protocol.layout import KVLayout, Plane, Region, packed_planes
+    from .protocol.reasons import Failure
 
 # Resolved on first use, so that `import kvpush.protocol.sender` (or the proxy) does not pull in the
-# endpoints' ZeroMQ and NIXL layers.
+# endpoints' ZeroMQ and NIXL layers. (The errors import nothing: they are bound above.)
 _WHERE = {
     "KVPushConfig": ".config",
     **dict.fromkeys(
         ("DecodeEndpoint", "PrefillAddress", "PrefillEndpoint", "RecvResult", "SendResult"), ".endpoint"
     ),
-    **dict.fromkeys(
-        (
-            "ConfigError",
-            "EndpointClosed",
-            "EndpointTimeout",
-            "EndpointTimeout",
-            "HandshakeTimeout",
-            "KVPushError",
-            "LayoutError",
-            "LocalProtocolError",
-            "PeerGone",
-            "PeerRefused",
-            "ProtocolError",
-            "RemoteProtocolError",
-            "RequestError",
-            "TransportError",
-            "WireError",
-        ),
-        ".errors",
-    ),
     **dict.fromkeys(("KVLayout", "Plane", "Region", "packed_planes"), ".protocol.layout"),
+    "Failure": ".protocol.reasons",
 }
 
 
@@ -75,29 +44,17 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError",
     "DecodeEndpoint",
-    "EndpointClosed",
-    "EndpointTimeout",
-    "HandshakeTimeout",
+    "Failure",
     "KVLayout",
     "KVPushConfig",
-    "KVPushError",
-    "LayoutError",
-    "LocalProtocolError",
-    "PeerGone",
-    "PeerRefused",
     "Plane",
     "PrefillAddress",
     "PrefillEndpoint",
-    "ProtocolError",
     "RecvResult",
     "Region",
-    "RemoteProtocolError",
-    "RequestError",
     "SendResult",
-    "TransportError",
-    "WireError",
     "__version__",
     "packed_planes",
 ]
+__all__ += errors.__all__

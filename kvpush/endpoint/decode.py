@@ -37,6 +37,7 @@ from ..protocol.reasons import Failure
 from ..protocol.receiver import Failed
 from ..protocol.tp import check_peer_tp
 from ..protocol.wire import (
+    ErrorCode,
     ErrorReply,
     Hello,
     Message,
@@ -247,7 +248,7 @@ class ReceiveThread(DecodeRequests):
             self.cmd_expect(rid, held.blocks, held.num_tokens, held.prefill)
 
     def _on_error_reply(self, peer: PrefillPeer, msg: ErrorReply, now: float) -> None:
-        if msg.code == "hello_first":
+        if msg.code is ErrorCode.HELLO_FIRST:
             # the prefill does not know this connection: it restarted, or it dropped us (silent past its
             # peer_timeout_s, e.g. this process starved) and failed what we had registered there, and it
             # refuses what we sent since. Handshake again; what that rank owes ends now, by name, its
@@ -266,6 +267,7 @@ class ReceiveThread(DecodeRequests):
                         attempt=msg.attempt,
                         prefill_rank=peer.rank,
                         reason=msg.reason,
+                        abandoned=False,
                     ),
                     now,
                     Failure.REFUSED,

@@ -124,7 +124,13 @@ class DecodeRequests(EndpointThread[RecvResult]):
     ) -> list[ReceiverAction]:
         """Nothing was sent, so nothing can be written from it: the attempt fails for this rank now."""
         return self.state.on_failed(
-            TransferFailed(request_id=msg.request_id, attempt=msg.attempt, prefill_rank=rank, reason=reason),
+            TransferFailed(
+                request_id=msg.request_id,
+                attempt=msg.attempt,
+                prefill_rank=rank,
+                reason=reason,
+                abandoned=False,
+            ),
             time.monotonic(),
             kind,
         )

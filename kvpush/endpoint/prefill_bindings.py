@@ -27,7 +27,7 @@ from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_
 from ..protocol.layout import KVLayout
 from ..protocol.prepared import PairUnits, pair_units
 from ..protocol.tp import check_peer_tp, owed_heads
-from ..protocol.wire import PLAIN, Codec, ErrorReply, Hello, Message, Ping
+from ..protocol.wire import PLAIN, Codec, ErrorCode, ErrorReply, Hello, Message, Ping
 from ..transport.base import PreparedList, Transport, listed_descriptors
 from .admission import Admission, Pending, SenderView
 from .conn_events import ConnEvent, PeerDropped
@@ -120,12 +120,14 @@ class DecodeBindings:
         except AuthMismatch as exc:
             self.ledger.add(Count.REFUSED)
             log.warning("kvpush prefill: refused a handshake: %s", exc)
-            self.refuse(conn, str(exc), "auth_required" if key is not None else "auth_unexpected")
+            self.refuse(
+                conn, str(exc), ErrorCode.AUTH_REQUIRED if key is not None else ErrorCode.AUTH_UNEXPECTED
+            )
             return []
         except WireError as exc:
             self.ledger.add(Count.WIRE_ERRORS)
             log.warning("kvpush prefill: dropped a message from an unknown connection: %s", exc)
-            self.refuse(conn, f"message refused: send hello first ({exc})", "hello_first")
+            self.refuse(conn, f"message refused: send hello first ({exc})", ErrorCode.HELLO_FIRST)
             return []
         return self._on_hello(conn, hello, now)
 
@@ -139,7 +141,7 @@ class DecodeBindings:
             self.refuse(
                 conn,
                 f"decode engine {hello.engine_id!r} is not in this prefill's allowed_decode_ids",
-                "not_allowed",
+                ErrorCode.NOT_ALLOWED,
             )
             return []
         try:
@@ -148,7 +150,7 @@ class DecodeBindings:
         except LayoutError as exc:
             self.ledger.add(Count.REFUSED)
             log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), exc)
-            self.refuse(conn, str(exc), "refused")
+            self.refuse(conn, str(exc), ErrorCode.REFUSED)
             return []
         identity = (hello.engine_id, peer_layout.tp_rank)
         if identity not in self.bound and len(self.bound) >= self.config.limits.max_identities:
@@ -158,7 +160,7 @@ class DecodeBindings:
                 f"(limits.max_identities {self.config.limits.max_identities}): try again later"
             )
             log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), why)
-            self.refuse(conn, why, "limit")
+            self.refuse(conn, why, ErrorCode.LIMIT)
             return []
         in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
@@ -196,7 +198,7 @@ class DecodeBindings:
             agent = self.transport.add_peer(hello.agent_metadata)
             self.transport.connect(agent)
         except TransportError as exc:
-            self.refuse(conn, str(exc), "refused")
+            self.refuse(conn, str(exc), ErrorCode.REFUSED)
             return None
         return agent
 
@@ -211,7 +213,7 @@ class DecodeBindings:
             agent = self._add_agent(c.conn, hello)
         except (WireError, LayoutError) as exc:
             self.ledger.add(Count.REFUSED)
-            self.refuse(c.conn, str(exc), "refused")
+            self.refuse(c.conn, str(exc), ErrorCode.REFUSED)
         if agent is None:
             self.conns.pop(c.conn, None)
             return []
@@ -252,7 +254,7 @@ class DecodeBindings:
             conn,
             f"decode {engine!r} rank {rank} is bound to a live connection; a new hello is accepted once "
             f"that one is gone (silent for {self.config.liveness.peer_timeout_s}s, or its NIXL agent disconnected)",
-            "identity_in_use",
+            ErrorCode.IDENTITY_IN_USE,
         )
         return True, []
 
@@ -372,7 +374,12 @@ class DecodeBindings:
         self._send_raw(c.conn, c.session.seal(msg))
 
     def refuse(
-        self, conn: bytes, reason: str, code: str = "", request_id: str = "", attempt: int = 0
+        self,
+        conn: bytes,
+        reason: str,
+        code: ErrorCode = ErrorCode.OTHER,
+        request_id: str = "",
+        attempt: int = 0,
     ) -> None:
         """Answer a connection with an ErrorReply: sealed if it has a session, else plain."""
         msg = ErrorReply(reason=reason[:2000], request_id=request_id, attempt=attempt, code=code)

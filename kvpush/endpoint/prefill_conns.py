@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from ..errors import WireError
 from ..protocol.handshake import Session
-from ..protocol.wire import Abort, Message, Ping, Pong, Registration
+from ..protocol.wire import Abort, ErrorCode, Message, Ping, Pong, Registration
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .prefill_bindings import DecodeBindings, DecodeConn, Identity
 from .stats import Count
@@ -60,7 +60,9 @@ class DecodeConnections(DecodeBindings):
             if known is not None and data is not None and (known.backlog or counts[conn] > cap):
                 if len(known.backlog) >= MAX_BACKLOG:
                     self.ledger.add(Count.REFUSED)
-                    self.refuse(conn, "too many messages queued on this connection: slow down", "limit")
+                    self.refuse(
+                        conn, "too many messages queued on this connection: slow down", ErrorCode.LIMIT
+                    )
                 else:
                     known.backlog.append(data)
                 yield None
@@ -92,7 +94,7 @@ class DecodeConnections(DecodeBindings):
                     conn,
                     f"abort for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on the "
                     f"connection of {c.identity}",
-                    "not_allowed",
+                    ErrorCode.NOT_ALLOWED,
                     msg.request_id,
                     msg.attempt,
                 )
@@ -118,19 +120,20 @@ class DecodeConnections(DecodeBindings):
     def _admit_registration(self, c: DecodeConn, msg: Registration) -> bool:
         """Checks before any per-rank work: the identity its connection bound, the TP that identity's
         handshake declared, and the limits on pending registrations (admission.py)."""
-        why, code = "", "refused"
+        why, code = "", ErrorCode.REFUSED
         peer = self.peers.get(c.identity) if c.identity is not None else None
         if (msg.decode_engine_id, msg.decode_rank) != c.identity:
             why = f"registration for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on "
-            why, code = why + f"the connection of {c.identity}", "not_allowed"
+            why, code = why + f"the connection of {c.identity}", ErrorCode.NOT_ALLOWED
         elif peer is None:
             why = "no handshake for this decode rank: send hello first"
-            self.refuse(c.conn, why, "hello_first", msg.request_id, msg.attempt)  # not counted: no peer yet
+            # not counted: no peer yet
+            self.refuse(c.conn, why, ErrorCode.HELLO_FIRST, msg.request_id, msg.attempt)
             return False
         elif msg.decode_tp != peer.layout.tp_size:
             why = f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}"
         elif msg.request_id not in c.pending.regs:
-            why, code = self.admission.refusal(c.pending, msg), "limit"
+            why, code = self.admission.refusal(c.pending, msg), ErrorCode.LIMIT
         if why:
             self.ledger.add(Count.REFUSED)
             self.refuse(c.conn, why, code, msg.request_id, msg.attempt)

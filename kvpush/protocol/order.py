@@ -71,5 +71,6 @@ def failure_notice(act: NotifyFailure, prefill_rank: int, session: Session) -> b
         prefill_rank=prefill_rank,
         reason=act.reason[:2000],
         abandoned=act.abandoned,
+        kind=act.kind,
     )
     return session.seal(msg, NOTIF)

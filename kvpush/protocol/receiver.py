@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass, field
 
 from .groups import BlockIds, flat_ids
-from .reasons import Failure
+from .reasons import Failure, received
 from .table import IGNORE, Ignore, transition
 from .tp import stage_senders
 from .wire import Abort, Registration, TransferDone, TransferFailed
@@ -281,7 +281,7 @@ class ReceiverState:
 
     def on_failed(self, msg: TransferFailed, now: float, kind: Failure | None = None) -> list[ReceiverAction]:
         """A prefill rank will not write (kind: how the edge knows; by default, a prefill's notification:
-        TIMEOUT when it abandoned a posted WRITE, else REMOTE, since the wire carries only the text)."""
+        the kind it names, as `reasons.received` reads it)."""
         att = self._live.get((msg.request_id, msg.attempt))
         if att is None or msg.prefill_rank not in att.senders:
             return [
@@ -291,7 +291,7 @@ class ReceiverState:
             ]
         att.move(msg.prefill_rank, RecvEvent.ABANDON if msg.abandoned else RecvEvent.FAILED)
         if kind is None:
-            kind = Failure.TIMEOUT if msg.abandoned else Failure.REMOTE
+            kind = received(msg.kind, msg.abandoned)
         actions = self._end(att, f"prefill rank {msg.prefill_rank}: {msg.reason}", now, kind)
         return actions + self._settle(att)
 

@@ -21,6 +21,7 @@ then the body, and for authenticated peers a sequence number and an HMAC tag (se
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 from typing import Annotated, Literal
@@ -29,6 +30,7 @@ import msgspec
 
 from ..errors import WireError
 from .groups import BlockIds, from_flat
+from .reasons import Failure
 
 # v3: the fixed envelope (v2 carried kind and version inside the map; see the module docstring)
 # v4: layer ids, KV-cache groups, windows and PP stage in LayoutWire; per-group tables in Registration
@@ -169,8 +171,15 @@ class TransferDone(_Msg, frozen=True):
     nbytes: NonNeg
 
 
-class TransferFailed(_Msg, frozen=True):
-    """Prefill -> decode: this rank will not write (lease expired, aborted, transport error)."""
+class TransferFailed(_Msg, frozen=True, omit_defaults=True):
+    """Prefill -> decode: this rank will not write (lease expired, aborted, transport error), and why as a
+    kind, so the decode's result names the prefill's kind rather than its words.
+
+    `kind` was added within wire v4. A default kind is not sent (omit_defaults), and `abandoned` has no
+    default so that it is always sent, as before: the bytes of a kindless notice are exactly the ones an
+    older v4 prefill writes, so a decode on this code accepts an older prefill's notices (kind REMOTE).
+    An older v4 decode refuses a notice that carries a kind ("unknown field `kind`"), drops it as a wire
+    error, and ends the attempt at its ready timeout instead (version ranges: issue 43)."""
 
     request_id: RequestId
     attempt: Attempt
@@ -178,7 +187,8 @@ class TransferFailed(_Msg, frozen=True):
     reason: Reason
     # True when a WRITE was posted and then abandoned at its timeout: its bytes may still land until the
     # registration's fence, so the decode keeps the blocks until then.
-    abandoned: bool = False
+    abandoned: bool
+    kind: Failure = Failure.REMOTE
 
 
 class Abort(_Msg, frozen=True):
@@ -191,15 +201,26 @@ class Abort(_Msg, frozen=True):
     reason: Reason
 
 
+class ErrorCode(enum.Enum):
+    """ErrorReply's machine-readable cause (the values are the bytes on the wire: never change one)."""
+
+    HELLO_FIRST = "hello_first"  # unknown connection: handshake again
+    IDENTITY_IN_USE = "identity_in_use"  # the (engine, rank) is bound to another live connection
+    AUTH_REQUIRED = "auth_required"  # this prefill holds a key and the Hello was not keyed
+    AUTH_UNEXPECTED = "auth_unexpected"  # the Hello was keyed and this prefill holds no key
+    NOT_ALLOWED = "not_allowed"  # not allowed for this connection's identity (or not in the allow list)
+    REFUSED = "refused"  # the pairing or the request cannot work (layout, TP, agent)
+    LIMIT = "limit"  # a limit was reached (identities, pending registrations, queued messages)
+    OTHER = ""  # anything else (a message that could not be opened, or of a kind not accepted here)
+
+
 class ErrorReply(_Msg, frozen=True):
     """Prefill -> decode on the side channel: your last message was refused, and why."""
 
     reason: Reason
     request_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
     attempt: Attempt = 0
-    # machine-readable cause: "hello_first" (unknown connection: handshake again), "identity_in_use",
-    # "auth_required", "auth_unexpected", "not_allowed", "refused", "limit", "" (anything else)
-    code: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    code: ErrorCode = ErrorCode.OTHER
 
 
 class Posted(_Msg, frozen=True):

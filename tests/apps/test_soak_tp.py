@@ -13,6 +13,7 @@ from kvpush.apps.ports import free_port_range
 from kvpush.apps.soak.cli import _tp
 from kvpush.apps.soak.procs import _RankResults
 from kvpush.apps.soak.relay import Relay
+from kvpush.protocol.reasons import Failure
 
 
 def test_tp_flag_takes_p_colon_d_and_names_what_is_wrong():
@@ -26,9 +27,9 @@ def test_tp_flag_takes_p_colon_d_and_names_what_is_wrong():
 def test_a_request_is_reported_once_every_rank_gave_its_result_failed_if_any_rank_failed():
     got = _RankResults(2)
     assert got.add("a", (1, 2), True, "") is None
-    assert got.add("b", (3,), False, "rank 0 gave up") is None
-    assert got.add("a", (1, 2), True, "") == (True, "")
-    assert got.add("b", (3,), True, "") == (False, "rank 0 gave up")
+    assert got.add("b", (3,), False, "rank 0 gave up", Failure.TIMEOUT) is None
+    assert got.add("a", (1, 2), True, "") == (True, "", None)
+    assert got.add("b", (3,), True, "") == (False, "rank 0 gave up", Failure.TIMEOUT)
     # a resend of "a" into other blocks is another request to gather
     assert got.add("a", (5,), True, "") is None and not got.got.keys() - {("a", (5,))}
 

@@ -102,7 +102,9 @@ def test_receiver_resends_an_unanswered_abort_only_to_ranks_that_may_still_answe
     assert isinstance(again, SendAbort) and again.repeat and again.message == first.message
     assert st.on_tick(2.5) == []  # paced
     # the answer comes: settled, and nothing more is sent
-    done = st.on_failed(TransferFailed(request_id="r", attempt=0, prefill_rank=0, reason="aborted"), 2.6)
+    done = st.on_failed(
+        TransferFailed(request_id="r", attempt=0, prefill_rank=0, reason="aborted", abandoned=False), 2.6
+    )
     assert [type(a).__name__ for a in done] == ["Failed"]
     assert st.on_tick(10.0) == [] and len(st) == 0
 

@@ -149,7 +149,7 @@ def test_prefill_abort_before_registration_fails_decode_fast(pair):
     d.expect("gone", [1], 4, addr)
     [got] = until(d.finished, timeout=2.0)  # well before the 3 s ready timeout
     assert not got.ok and "released" in got.reason
-    assert got.failure is Failure.REMOTE  # the prefill said so; the wire carries only its text
+    assert got.failure is Failure.REFUSED  # the prefill's kind, from the wire: nothing left to serve it
 
 
 def test_lease_expiry_without_registration_frees_source(pair):

@@ -94,7 +94,7 @@ def test_failure_notice_after_an_aborted_stream_reaches_the_decode(pair):
     [sent] = until(p.finished)
     assert not sent.ok and tuple(sent.block_ids) == tuple(pb)
     [got] = until(d.finished, timeout=5.0)
-    assert not got.ok and got.failure is Failure.REMOTE and "client went away" in got.reason
+    assert not got.ok and got.failure is Failure.ABORTED and "client went away" in got.reason
     assert tuple(got.block_ids) == tuple(db) and d.pending() == 0
     assert p_transport.delivered == 1 and not p_transport.outbox
 

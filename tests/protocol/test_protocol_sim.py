@@ -115,6 +115,7 @@ class World:
                     prefill_rank=p,
                     reason=a.reason,
                     abandoned=a.abandoned,
+                    kind=a.kind,
                 )
                 self.net.append(("decode", a.decode_rank, msg))
             elif isinstance(a, ReleaseSource):
@@ -500,7 +501,7 @@ def test_an_abandoned_write_keeps_the_blocks_until_the_fence_and_a_refusal_frees
     r.expect("x", (1,), 10, 2, 0.0)
     abandoned = TransferFailed(request_id="x", attempt=0, prefill_rank=0, reason="slow", abandoned=True)
     r.on_failed(abandoned, 1.0)
-    refused = TransferFailed(request_id="x", attempt=0, prefill_rank=1, reason="aborted")
+    refused = TransferFailed(request_id="x", attempt=0, prefill_rank=1, reason="aborted", abandoned=False)
     assert not [a for a in r.on_failed(refused, 1.1) if isinstance(a, Failed)]
     assert not [a for a in r.on_tick(READY_TIMEOUT + WRITE_TIMEOUT) if isinstance(a, Failed)]
     assert [type(a) for a in r.on_tick(READY_TIMEOUT + WRITE_TIMEOUT + LINGER)] == [Failed]
@@ -541,7 +542,10 @@ def test_attempt_numbers_are_bounded_in_memory_and_never_reused():
         seen[rid].add(reg.message.attempt)
         r.abort(rid, "done with it", float(i))
         r.on_failed(
-            TransferFailed(request_id=rid, attempt=reg.message.attempt, prefill_rank=0, reason="a"), i
+            TransferFailed(
+                request_id=rid, attempt=reg.message.attempt, prefill_rank=0, reason="a", abandoned=False
+            ),
+            i,
         )
     assert len(r._next_attempt) <= 9
 
@@ -550,7 +554,9 @@ def test_one_sender_failing_waits_for_the_other_before_failed():
     """Decode may not hand the blocks back while another prefill rank's WRITE can still land."""
     r = ReceiverState("D", 0, 1, 2, READY_TIMEOUT, WRITE_TIMEOUT + LINGER)
     r.expect("x", (1, 2), 10, 2, 0.0)  # prefill TP2 -> two senders
-    acts = r.on_failed(TransferFailed(request_id="x", attempt=0, prefill_rank=0, reason="boom"), 0.5)
+    acts = r.on_failed(
+        TransferFailed(request_id="x", attempt=0, prefill_rank=0, reason="boom", abandoned=False), 0.5
+    )
     assert not [a for a in acts if isinstance(a, Failed)]
     assert [a.prefill_rank for a in acts if isinstance(a, SendAbort)] == [1]
     acts = r.on_done(TransferDone(request_id="x", attempt=0, prefill_rank=1, nbytes=5), 0.6)

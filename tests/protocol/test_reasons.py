@@ -3,10 +3,16 @@ the decode's notification and on the released source, so metrics never read the 
 
 from __future__ import annotations
 
-from kvpush.protocol.reasons import Failure
-from kvpush.protocol.receiver import Failed, ReceiverState
+from collections.abc import Callable
+
+import pytest
+
+from kvpush.protocol.handshake import Session
+from kvpush.protocol.order import NOTIF, failure_notice
+from kvpush.protocol.reasons import Failure, received
+from kvpush.protocol.receiver import Failed, ReceiverState, SendRegistration
 from kvpush.protocol.sender import NotifyFailure, ReleaseSource, SenderState, StartWrite
-from kvpush.protocol.wire import Registration, TransferFailed
+from kvpush.protocol.wire import Codec, Registration, TransferFailed
 
 
 def reg(expires_at: float = 100.0, num_tokens: int = 8) -> Registration:
@@ -81,7 +87,9 @@ def test_the_receiver_names_timeouts_aborts_and_what_the_prefill_said():
     r = receiver()
     r.expect("r", (1, 2), 8, 1, 0.0)
     r.abort("r", "engine said so", 1.0)  # the prefill acknowledges with a failure: the kind stays
-    ack = TransferFailed(request_id="r", attempt=0, prefill_rank=0, reason="aborted by decode rank 0")
+    ack = TransferFailed(
+        request_id="r", attempt=0, prefill_rank=0, reason="aborted by decode rank 0", abandoned=False
+    )
     assert failed_kind(r.on_failed(ack, 1.5)) == [Failure.ABORTED]
 
     for abandoned, kind in ((False, Failure.REMOTE), (True, Failure.TIMEOUT)):
@@ -94,3 +102,79 @@ def test_the_receiver_names_timeouts_aborts_and_what_the_prefill_said():
     r = receiver()
     r.expect("r", (1, 2), 8, 1, 0.0)
     assert failed_kind(r.close("decode endpoint closed")) == [Failure.CLOSED]
+
+
+# ---- the kind on the wire: what the prefill's machine says is what the decode's result says ----------
+KEY = b"k" * 32
+
+
+def _notice_through_the_wire(act: NotifyFailure) -> TransferFailed:
+    """The prefill's NotifyFailure as its endpoint sends it (order.failure_notice: encoded and sealed) and
+    as the decode's endpoint opens it."""
+    codec = Codec()
+    prefill = Session(codec, KEY, b"d" * 16, b"p" * 16, "prefill")
+    decode = Session(codec, KEY, b"d" * 16, b"p" * 16, "decode")
+    msg = decode.open(failure_notice(act, 0, prefill), NOTIF)
+    assert isinstance(msg, TransferFailed)
+    return msg
+
+
+def _registered() -> tuple[ReceiverState, Registration]:
+    """A decode rank expecting "r", and the registration it sends (through the wire, too)."""
+    r = receiver()
+    (send,) = [a for a in r.expect("r", (1, 2), 8, 1, 0.0) if isinstance(a, SendRegistration)]
+    reg = Codec().decode(Codec().encode(send.message))
+    assert isinstance(reg, Registration)
+    return r, reg
+
+
+def _write_fails(kind: Failure, abandoned: bool) -> Callable[[SenderState, Registration], list]:
+    def run(s: SenderState, reg: Registration) -> list:
+        s.on_registration(reg, 0.5)
+        (w,) = [a for a in s.on_prefill_done("r", (5, 6), 8, 1.0) if isinstance(a, StartWrite)]
+        return s.on_write_done("r", w.attempt, 0, False, 0, "boom", 2.0, abandoned, kind)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "kind, fail",
+    [
+        (Failure.EXPIRED, lambda s, reg: s.on_registration(reg, 6.0)),  # it came after its expiry
+        (Failure.REFUSED, lambda s, reg: s.on_registration(reg, 0.5) + s.on_prefill_done("r", (5,), 7, 1.0)),
+        (Failure.ABORTED, lambda s, reg: s.on_registration(reg, 0.5) + s.abort("r", "engine said so", 1.0)),
+        (Failure.WRITE_FAILED, _write_fails(Failure.WRITE_FAILED, False)),
+        (Failure.TIMEOUT, _write_fails(Failure.TIMEOUT, True)),
+        (Failure.PEER_GONE, _write_fails(Failure.PEER_GONE, False)),
+    ],
+)
+def test_the_prefills_failure_kind_reaches_the_decodes_result_through_the_wire(kind, fail):
+    """Before the kind travelled, every one of these ended as REMOTE on the decode (TIMEOUT if abandoned)."""
+    r, reg = _registered()
+    (act,) = [a for a in fail(sender(), reg) if isinstance(a, NotifyFailure)]
+    assert act.kind is kind
+    msg = _notice_through_the_wire(act)
+    assert msg.kind is kind
+    out = r.on_failed(msg, 2.5) + r.on_tick(20.0)  # an abandoned WRITE's blocks come back at the fence
+    assert failed_kind(out) == [kind]
+
+
+def test_a_prefill_that_closed_is_a_peer_gone_on_the_decode():
+    """CLOSED on a result means this endpoint closed; the prefill's closing is its peer gone."""
+    r, reg = _registered()
+    s = sender()
+    s.on_registration(reg, 0.5)
+    (act,) = [
+        a
+        for a in s.abort("r", "prefill endpoint closed", 1.0, Failure.CLOSED)
+        if isinstance(a, NotifyFailure)
+    ]
+    assert failed_kind(r.on_failed(_notice_through_the_wire(act), 2.0)) == [Failure.PEER_GONE]
+
+
+def test_received_reads_an_old_peers_kindless_notice_as_before():
+    assert received(Failure.REMOTE, abandoned=False) is Failure.REMOTE
+    assert received(Failure.REMOTE, abandoned=True) is Failure.TIMEOUT
+    assert received(Failure.CLOSED, abandoned=False) is Failure.PEER_GONE
+    for kind in set(Failure) - {Failure.REMOTE, Failure.CLOSED}:
+        assert received(kind, abandoned=False) is kind

@@ -12,17 +12,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpush.protocol.handshake import Session
+from kvpush.protocol.reasons import Failure
 from kvpush.protocol.wire import (
+    ENVELOPE_BYTES,
     KIND_CODES,
     MAGIC,
     WIRE_VERSION,
     Abort,
     Codec,
+    ErrorCode,
     ErrorReply,
     Mac,
     Posted,
     Registration,
     TransferDone,
+    TransferFailed,
     WireError,
     hmac_tag,
 )
@@ -230,3 +234,67 @@ def test_tags_made_from_a_keyed_copy_equal_the_definition(key, parts):
     assert mac.tag(*parts) == want
     assert mac.tag(*parts) == want  # the keyed state is copied, never consumed
     assert hmac_tag(key, *parts) == want
+
+
+# ---- a failure's kind and a refusal's code on the wire (added within v4) ----------------------------
+class _V4TransferFailed(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """TransferFailed as a v4 peer from before the kind defines it (what an unchanged peer decodes with)."""
+
+    request_id: str
+    attempt: int
+    prefill_rank: int
+    reason: str
+    abandoned: bool = False
+
+
+def _body(msg: object) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_kindless_failure_notice_is_byte_for_byte_what_an_older_v4_peer_writes(abandoned):
+    c = Codec()
+    old = _V4TransferFailed(request_id="r", attempt=3, prefill_rank=1, reason="x", abandoned=abandoned)
+    new = TransferFailed(request_id="r", attempt=3, prefill_rank=1, reason="x", abandoned=abandoned)
+    body = MAGIC + bytes((WIRE_VERSION, KIND_CODES[TransferFailed])) + _body(old)
+    assert c.encode(new) == body  # an older decode accepts it as before
+    got = c.decode(body)  # and an older prefill's notice is accepted here, with no kind: REMOTE
+    assert got == new and isinstance(got, TransferFailed) and got.kind is Failure.REMOTE
+
+
+def test_a_failure_notice_carries_its_kind_and_an_older_v4_peer_refuses_it_by_name():
+    c = Codec()
+    msg = TransferFailed(
+        request_id="r", attempt=0, prefill_rank=0, reason="lease", abandoned=False, kind=Failure.EXPIRED
+    )
+    assert c.decode(c.encode(msg)) == msg and msg.kind is Failure.EXPIRED
+    with pytest.raises(msgspec.ValidationError, match="unknown field `kind`"):
+        msgspec.msgpack.decode(c.encode(msg)[4:], type=_V4TransferFailed)
+
+
+def test_a_failure_kind_outside_the_set_and_a_missing_abandoned_are_refused():
+    head = MAGIC + bytes((WIRE_VERSION, KIND_CODES[TransferFailed]))
+    fields = {"request_id": "r", "attempt": 0, "prefill_rank": 0, "reason": "x", "abandoned": False}
+    with pytest.raises(WireError, match="invalid TransferFailed message.*kind"):
+        Codec().decode(head + _body({**fields, "kind": "gremlins"}))
+    with pytest.raises(WireError, match="non-canonical"):  # a default kind is never written
+        Codec().decode(head + _body({**fields, "kind": "remote"}))
+    with pytest.raises(WireError, match="abandoned"):
+        Codec().decode(head + _body({k: v for k, v in fields.items() if k != "abandoned"}))
+
+
+@pytest.mark.parametrize("code", list(ErrorCode))
+def test_an_error_codes_bytes_are_the_string_it_replaced(code):
+    """ErrorReply.code was a string; the enum's values are those strings, so the bytes did not change."""
+    c = Codec()
+    msg = ErrorReply(reason="no", request_id="r", attempt=1, code=code)
+    old = {"reason": "no", "request_id": "r", "attempt": 1, "code": code.value}
+    body = c.encode(msg)
+    assert body[ENVELOPE_BYTES:] == _body(old)
+    assert c.decode(body) == msg
+
+
+def test_an_unknown_error_code_is_refused_by_name():
+    head = MAGIC + bytes((WIRE_VERSION, KIND_CODES[ErrorReply]))
+    with pytest.raises(WireError, match="invalid ErrorReply message.*code"):
+        Codec().decode(head + _body({"reason": "no", "request_id": "", "attempt": 0, "code": "teapot"}))

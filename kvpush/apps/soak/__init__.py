@@ -23,7 +23,7 @@ counter is seen to rise.
 
 The package, in reading order: cli.py (the flags), driver.py (`Soak`: requests and faults), book.py (the
 pools and who holds each block), children.py (the processes and their pipes), procs.py (the engines'
-and the attacker's entry points), attacker.py, tap.py, report.py (reason kinds, FAIL_ON, the table).
+and the attacker's entry points), attacker.py, tap.py, report.py (failure kinds, FAIL_ON, the table).
 """
 
 from kvpush.apps.soak.common import FAULT_KINDS as FAULT_KINDS

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from kvpush.apps.blocks import BlockPool, shuffled_runs
 from kvpush.apps.demo.procs import Geometry
 from kvpush.apps.soak.common import CROSS_MARK, MARK
-from kvpush.apps.soak.report import reason_kind
+from kvpush.apps.soak.report import ATTACKER, PROCESS_KILLED, WRONG_BYTES, kind_of
 from kvpush.protocol.layout import blocks_for
+from kvpush.protocol.reasons import Failure
 
 
 @dataclass
@@ -28,10 +29,17 @@ class Req:
     outcome: str = ""  # "", "completed", "failed"
     reason: str = ""
     p_reason: str = ""
+    failure: str = ""  # the decode's failure kind (report.py: a Failure's value, or the soak's own)
+    p_failure: str = ""  # the prefill's
     attacked: bool = False
     settled: bool = False
     hijacked: bool = False
     shape: str = "whole"  # how the prefill reports its KV (stream.py SHAPES)
+
+    @property
+    def kind(self) -> str:
+        """Why it failed, for the report: the endpoints' kinds (the decode's first), never their words."""
+        return ATTACKER if self.hijacked else self.failure or self.p_failure or kind_of(None)
 
 
 def _pool(num_blocks: int, seed: int) -> BlockPool:
@@ -91,7 +99,7 @@ class Book:
         for r in self.reqs.values():
             if role == "prefill" and r.p_gen == gen:
                 self.p_alloc.free(self.source_blocks.pop(r.rid))
-                r.p_gen, r.p_reason = -1, "prefill process killed"
+                r.p_gen, r.p_reason, r.p_failure = -1, "prefill process killed", PROCESS_KILLED
                 self._settle(r)
             if role == "decode":
                 for blocks, held_by in list(r.d_held.items()):
@@ -99,11 +107,14 @@ class Book:
                         del r.d_held[blocks]
                         self.d_alloc.free(list(blocks))
                         if blocks == r.last_blocks:
-                            r.outcome, r.reason = "failed", "decode process killed"
+                            r.outcome, r.reason, r.failure = "failed", "decode process killed", PROCESS_KILLED
             self._settle(r)
 
-    def on_released(self, gen: int, rid: str, reason: str, blocks: list[int]) -> None:
-        """Prefill incarnation `gen` finished `rid` and gives its source blocks back."""
+    def on_released(
+        self, gen: int, rid: str, reason: str, failure: Failure | None, blocks: list[int]
+    ) -> None:
+        """Prefill incarnation `gen` finished `rid` (failed: `failure` says why) and gives its source
+        blocks back."""
         r = self.reqs.get(rid)
         if r is None or r.p_gen != gen or self.source_blocks.get(rid) != blocks:
             self.double_freed += len(blocks)
@@ -112,13 +123,23 @@ class Book:
         del self.source_blocks[rid]
         self.p_alloc.free(blocks)
         r.p_gen, r.p_reason = -1, reason
+        r.p_failure = kind_of(failure) if failure is not None else ""
         self._hijacked(r, reason)
         self._settle(r)
 
     def on_result(
-        self, gen: int, rid: str, ok: bool, reason: str, blocks: list[int], wrong: int, known: bool
+        self,
+        gen: int,
+        rid: str,
+        ok: bool,
+        reason: str,
+        failure: Failure | None,
+        blocks: list[int],
+        wrong: int,
+        known: bool,
     ) -> None:
-        """Decode incarnation `gen` finished one attempt of `rid`; `wrong` bytes failed the pattern."""
+        """Decode incarnation `gen` finished one attempt of `rid` (failed: `failure` says why); `wrong`
+        bytes failed the pattern."""
         r = self.reqs.get(rid)
         key = tuple(blocks)
         if r is None or r.d_held.get(key) != gen or not known:
@@ -134,6 +155,7 @@ class Book:
         if key == r.last_blocks:
             r.outcome = "completed" if ok and wrong == 0 else "failed"
             r.reason = "" if ok and wrong == 0 else (reason or f"{wrong} wrong bytes")
+            r.failure = "" if ok and wrong == 0 else WRONG_BYTES if ok else kind_of(failure)
         self._settle(r)
 
     def on_stale(self, rid: str, nbytes: int, where: str) -> None:
@@ -159,7 +181,7 @@ class Book:
         if not r.outcome:
             r.outcome = "failed"
         if r.outcome == "failed":
-            kind = reason_kind(r.reason or r.p_reason)
+            kind = r.kind
             self.reasons[kind] += 1
             self.examples.setdefault(kind, (r.reason or r.p_reason)[:300])
 

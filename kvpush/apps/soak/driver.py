@@ -100,11 +100,11 @@ class Soak:
             self.stream_ranges += msg[2]
             self.mid_stream_aborted += int(msg[3])
         elif kind == "released" and p is self.kids.prefill:
-            _, rid, _ok, reason, blocks = msg
-            self.book.on_released(p.gen, rid, reason, blocks)
+            _, rid, _ok, reason, failure, blocks = msg
+            self.book.on_released(p.gen, rid, reason, failure, blocks)
         elif kind == "result" and p is self.kids.decode:
-            _, rid, ok, reason, blocks, wrong, known = msg
-            self.book.on_result(p.gen, rid, ok, reason, blocks, wrong, known)
+            _, rid, ok, reason, failure, blocks, wrong, known = msg
+            self.book.on_result(p.gen, rid, ok, reason, failure, blocks, wrong, known)
         elif kind == "stale":
             self.book.on_stale(msg[1], msg[2], msg[3])
         elif kind == "lent_audit":

@@ -22,6 +22,7 @@ from kvpush.config import KVPushConfig
 from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint
 from kvpush.endpoint.control import ZmqControl
 from kvpush.protocol.groups import flat_ids
+from kvpush.protocol.reasons import Failure
 from kvpush.transport.base import Transport
 from kvpush.transport.faults import FaultInjectingTransport
 
@@ -56,22 +57,28 @@ def _send_faults(conn: Connection, injectors: list[FaultInjectingTransport]) -> 
             conn.send(("faults", counts))
 
 
+RankResult = tuple[bool, str, Failure | None]  # ok, reason, failure kind
+
+
 @dataclass
 class _RankResults:
     """One engine's per-rank results of a request, gathered until every rank has given its own: the
     driver hears of a request once, as a vLLM scheduler would (ok only if every rank's was)."""
 
     ranks: int
-    got: dict[tuple[str, tuple[int, ...]], list[tuple[bool, str]]] = field(default_factory=dict)
+    got: dict[tuple[str, tuple[int, ...]], list[RankResult]] = field(default_factory=dict)
 
-    def add(self, rid: str, blocks: tuple[int, ...], ok: bool, reason: str) -> tuple[bool, str] | None:
+    def add(
+        self, rid: str, blocks: tuple[int, ...], ok: bool, reason: str, failure: Failure | None = None
+    ) -> RankResult | None:
+        """(ok, reason, failure kind) once every rank gave its own: the first failed rank's reason and kind."""
         seen = self.got.setdefault((rid, blocks), [])
-        seen.append((ok, reason))
+        seen.append((ok, reason, failure))
         if len(seen) < self.ranks:
             return None
         del self.got[(rid, blocks)]
-        bad = [why for good, why in seen if not good]
-        return not bad, bad[0] if bad else ""
+        bad = [r for r in seen if not r[0]]
+        return bad[0] if bad else (True, "", None)
 
 
 def prefill_main(
@@ -133,9 +140,9 @@ def prefill_main(
             for ep in eps:
                 for res in ep.finished():
                     ids = tuple(int(b) for b in flat_ids(res.block_ids)[0])
-                    done = released.add(res.request_id, ids, res.ok, res.reason)
+                    done = released.add(res.request_id, ids, res.ok, res.reason, res.failure)
                     if done is not None:
-                        conn.send(("released", res.request_id, done[0], done[1], list(ids)))
+                        conn.send(("released", res.request_id, *done, list(ids)))
             _send_faults(conn, injectors)
     except (EOFError, OSError):
         pass  # the driver is gone: so are we
@@ -226,7 +233,7 @@ def decode_main(
             for ep in eps:
                 for res in ep.finished():
                     ids = tuple(int(b) for b in flat_ids(res.block_ids)[0])  # one group: the table
-                    done = ready.add(res.request_id, ids, res.ok, res.reason)
+                    done = ready.add(res.request_id, ids, res.ok, res.reason, res.failure)
                     if done is not None:
                         _report_ready(conn, caches, live, res.request_id, ids, done, check)
             _send_faults(conn, injectors)
@@ -245,14 +252,14 @@ def _report_ready(
     live: dict[tuple[str, tuple[int, ...]], tuple[int, int]],
     rid: str,
     ids: tuple[int, ...],
-    done: tuple[bool, str],
+    done: RankResult,
     check: str,
 ) -> None:
     """Every decode rank finished a request: check each rank's bytes if it is ready, scrub its blocks,
     and tell the driver (the blocks are free for it again)."""
     blocks = list(ids)
     n, tag = live.pop((rid, ids), (0, 0))
-    ok, reason = done
+    ok, reason, failure = done
     wrong = 0
     if ok and n:
         if check == "corrupt":  # self-check: a wrong token where a right one was
@@ -262,7 +269,7 @@ def _report_ready(
         scrub(c.buffer, c.layout, blocks)
     if check == "stale":  # self-check: a byte lands after the free
         fill(caches[0].buffer, caches[0].layout, blocks[:1], 1, 7)
-    conn.send(("result", rid, ok, reason, blocks, wrong, n > 0))
+    conn.send(("result", rid, ok, reason, failure, blocks, wrong, n > 0))
 
 
 def attacker_main(conn: Connection, port: int, self_check_key: bytes | None, holder_key: bytes) -> None:

@@ -1,5 +1,5 @@
-"""The soak's figures: what a failed request's reason was (its kind), the report the run ends with, and
-the table `kvpush soak` prints. FAIL_ON lists the figures that must be zero."""
+"""The soak's figures: why a failed request failed (its kind, as the endpoints' results name it), the
+report the run ends with, and the table `kvpush soak` prints. FAIL_ON lists the figures that must be zero."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 from collections import Counter
 from typing import Any, Protocol
 
-from kvpush.apps.soak.common import FAULT_KINDS, MARK
+from kvpush.apps.soak.common import FAULT_KINDS
+from kvpush.protocol.reasons import Failure
 
 
 class SoakRun(Protocol):
@@ -41,32 +42,17 @@ FAIL_ON = (
 )
 REPORTED: tuple[str, ...] = ()  # figures shown but not yet held to zero
 
-# (kind, words): the first kind one of whose words the reason contains
-_REASON_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attacker", (MARK,)),
-    ("process_killed", ("process killed",)),
-    ("aborted_by_decode", ("aborted by the decode",)),
-    ("aborted_by_prefill", ("aborted by the prefill",)),
-    ("superseded", ("superseded",)),
-    ("peer_gone_or_restarted", ("is gone", "restarted", "new instance", "replaced")),
-    ("peer_silent", ("silent", "did not answer a handshake")),
-    ("write_abandoned", ("abandoned",)),
-    ("source_released", ("already released", "already finished")),  # before "lease": reLEASEd
-    ("expired", ("expir", "lease")),
-    ("timed_out", ("timed out",)),
-    ("refused", ("refused", "hello", "identity", "not_allowed")),
-    ("endpoint_closed", ("closed",)),
-    ("wrong_bytes", ("wrong bytes",)),
-)
+# A failed request's kind in the report: its Failure's value (the endpoint's result says it, the decode's
+# from the prefill's own over the wire), or one the soak knows of itself:
+ATTACKER = "attacker"  # an honest request ended by the attacker's (or another key holder's) frames
+PROCESS_KILLED = "process_killed"  # the engine holding it was killed (its memory went with it)
+WRONG_BYTES = "wrong_bytes"  # declared ready, but its bytes failed the pattern
+UNKNOWN = "unknown"  # settled failed with no result naming a kind
 
 
-def reason_kind(reason: str) -> str:
-    """A failure reason's kind, for the report (reasons carry ids and numbers; kinds do not)."""
-    text = reason.lower()
-    for kind, words in _REASON_KINDS:
-        if any(w in text for w in words):
-            return kind
-    return "other"
+def kind_of(failure: Failure | None) -> str:
+    """A result's failure kind as the report counts it."""
+    return UNKNOWN if failure is None else failure.value
 
 
 def build_report(
@@ -120,7 +106,7 @@ def build_report(
             # failure kinds by shape, "whole" included: a streamed path that failed more than faults
             # explain would show here first
             "failed_by_shape": {
-                shape: dict(Counter(reason_kind(r.reason or r.p_reason) for r in failed if r.shape == shape))
+                shape: dict(Counter(r.kind for r in failed if r.shape == shape))
                 for shape in sorted({r.shape for r in reqs})
             },
         },
