@@ -1,5 +1,6 @@
 """`kvpush proxy`'s routing: backends, the push and pull dispatch, relaying the decode's answer, pairing
-checks and /health (see proxy.py for what the proxy does, proxy_http.py for its client-facing limits)."""
+checks and /health (see the package docstring for what the proxy does, server.py for its client-facing
+limits)."""
 
 from __future__ import annotations
 
@@ -11,81 +12,33 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
-from .proxy_http import TimingsLog, error_body
-from .proxy_pairing import Pairing, PrefillBackend
-from .proxy_release import release_target, transfer_keys
+from .config import ProxyConfig
+from .pairing import Pairing, PrefillBackend
+from .release import release_target, transfer_keys
+from .server import TimingsLog, error_body
 
 log = logging.getLogger("kvpush.proxy")
 
 
-@dataclass
-class ProxyConfig:
-    prefill: list[PrefillBackend]
-    decode: list[str]
-    mode: str = "push"  # push | pull
-    # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
-    decode_pairing: list[str] = field(default_factory=list)
-    # per decode: its engine_id ("" = learn it from its pairing check's answer). Sent with the prefill leg
-    # (kv_transfer_params.decode_engine_id), so the prefill lets only that engine register for the push
-    decode_engine_ids: list[str] = field(default_factory=list)
-    # the shared key of keyed decodes: signs each pairing check (params.PAIRING_HEADER); never shown
-    pairing_key: bytes | None = field(default=None, repr=False)
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
-    # An idle connection to a backend is reused for at most this long. It must stay below the backends'
-    # own keep-alive (vLLM closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default):
-    # a request written on a connection the server is closing is lost (ServerDisconnectedError, a 502),
-    # and aiohttp retries no POST. aiohttp's own default is 15 s.
-    backend_keepalive_s: float = 4.0
-    # Client-facing limits (proxy_http.py). A body: at most max_body_bytes, all of it within
-    # body_timeout_s, nested at most max_json_depth deep. Connections: at most max_connections, idle
-    # ones (or ones still sending headers) closed after idle_timeout_s.
-    max_body_bytes: int = 16 << 20
-    body_timeout_s: float = 30.0
-    max_json_depth: int = 64
-    max_request_id_len: int = 128
-    max_connections: int = 1024
-    idle_timeout_s: float = 30.0
-    # a streamed answer's write to the client must finish within this, or the client is dropped
-    write_timeout_s: float = 60.0
-    # GET /kvpush/timings: off while empty; else served only with this bearer token, at most
-    # timings_max_records records.
-    timings_token: str = ""
-    timings_max_records: int = 10_000
-    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0, "released": 0})
-
-
 class BackendError(Exception):
+    """A backend failed or refused: `status` is what the client is answered, `backend` the URL at fault."""
+
     def __init__(self, status: int, message: str, backend: str):
         super().__init__(message)
         self.status = status
         self.backend = backend
 
 
-_POSITIVE = (
-    "max_body_bytes",
-    "body_timeout_s",
-    "max_json_depth",
-    "max_request_id_len",
-    "max_connections",
-    "idle_timeout_s",
-    "write_timeout_s",
-    "timings_max_records",
-    "backend_keepalive_s",
-)
-
-
-def backend_session(cfg: ProxyConfig) -> Any:
+def backend_session(request_timeout_s: float, connect_timeout_s: float, keepalive_s: float) -> Any:
     """The pooled HTTP session to the backends: the request and connect timeouts, and idle connections
-    dropped before a backend's own keep-alive closes them (ProxyConfig.backend_keepalive_s)."""
+    dropped after keepalive_s, before a backend's own keep-alive closes them (ProxyConfig.backend_keepalive_s)."""
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=cfg.backend_keepalive_s)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=keepalive_s)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
@@ -93,22 +46,7 @@ class Router:
     """Round robin over prefill and decode backends, and the two dispatch modes."""
 
     def __init__(self, cfg: ProxyConfig):
-        if not cfg.prefill or not cfg.decode:
-            raise ValueError("the proxy needs at least one prefill and one decode backend")
-        if cfg.mode not in ("push", "pull"):
-            raise ValueError(f"mode must be 'push' or 'pull', got {cfg.mode!r}")
-        if cfg.decode_pairing and len(cfg.decode_pairing) != len(cfg.decode):
-            raise ValueError(
-                f"decode_pairing has {len(cfg.decode_pairing)} entries for {len(cfg.decode)} decode backends"
-            )
-        if cfg.decode_engine_ids and len(cfg.decode_engine_ids) != len(cfg.decode):
-            raise ValueError(
-                f"decode_engine_ids has {len(cfg.decode_engine_ids)} entries for {len(cfg.decode)} decode "
-                "backends"
-            )
-        for name in _POSITIVE:
-            if not getattr(cfg, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
+        cfg.check()
         self.cfg = cfg
         self.pairings: dict[tuple[str, str], Pairing] = {
             (p.url, d): Pairing(p, d, u.rstrip("/"))
@@ -130,7 +68,8 @@ class Router:
         self.timings = TimingsLog(cfg.timings_token, cfg.timings_max_records)
 
     async def start(self) -> None:
-        self._session = backend_session(self.cfg)
+        cfg = self.cfg
+        self._session = backend_session(cfg.request_timeout_s, cfg.connect_timeout_s, cfg.backend_keepalive_s)
         if self.pairings:
             self._pairing_task = asyncio.ensure_future(self._keep_checking())
 
@@ -196,7 +135,7 @@ class Router:
         assert first is not None
         raise BackendError(503, first.refusal(), first.decode)
 
-    # ---- releasing a left client's transfers (proxy_release.py) --------------------------------
+    # ---- releasing a left client's transfers (release.py) ---------------------------------------
     def _release_later(self, prefill: PrefillBackend, decode_url: str, keys: list[str]) -> None:
         pair = self.pairings.get((prefill.url, decode_url))
         if pair is None or not pair.pairing_url:
@@ -455,6 +394,14 @@ class Router:
         if prefill_task in done and prefill_task.exception() is not None:
             raise prefill_task.exception()  # type: ignore[misc]
         return await task
+
+    async def models(self) -> tuple[int, bytes]:
+        """The first decode's GET /v1/models answer (status, JSON body); any failure is a 503."""
+        try:
+            async with self._session.get(self.cfg.decode[0] + "/v1/models") as r:
+                return r.status, await r.read()
+        except Exception as exc:  # noqa: BLE001 - any failure is a 503 for this informational route
+            return 503, json.dumps(error_body(f"decode backend unreachable: {exc}", 503)).encode()
 
     async def health(self) -> tuple[int, dict[str, Any]]:
         import aiohttp
