@@ -34,8 +34,8 @@ where used, so `kvpush proxy --help` works without it.
 from __future__ import annotations
 
 from .app import build_app
-from .config import ProxyConfig
+from .config import ProxyConfig, ProxyMode
 from .pairing import Pairing, PrefillBackend
 from .router import BackendError, Router
 
-__all__ = ["BackendError", "Pairing", "PrefillBackend", "ProxyConfig", "Router", "build_app"]
+__all__ = ["BackendError", "Pairing", "PrefillBackend", "ProxyConfig", "ProxyMode", "Router", "build_app"]

@@ -14,7 +14,7 @@ from kvpush.errors import ConfigError
 
 from ..params import check_pp_size
 from .app import build_app
-from .config import ProxyConfig
+from .config import ProxyConfig, ProxyMode
 from .pairing import PrefillBackend
 from .server import TIMINGS_TOKEN_ENV, load_timings_token, run_server
 
@@ -50,8 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("push", "pull"),
-        default="push",
+        type=ProxyMode,
+        choices=list(ProxyMode),
+        default=ProxyMode.PUSH,
         help="push: concurrent dispatch (kvpush, NixlPushConnector); pull: prefill first (NixlConnector)",
     )
     parser.add_argument("--prefill-engine-id", action="append", help="engine_id of each prefill")
@@ -174,7 +175,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             check_pp_size(pp, "kvpush proxy: --prefill-pp-size")
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-    if args.mode == "push" and (not all(ids) or not all(ports)):
+    mode = ProxyMode(args.mode)
+    if mode is ProxyMode.PUSH and (not all(ids) or not all(ports)):
         raise SystemExit("push mode needs --prefill-engine-id and --prefill-kv-port for each --prefill")
     prefill = [
         PrefillBackend(u.rstrip("/"), i, h, p, t, q)
@@ -190,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         prefill=prefill,
         decode=decode,
-        mode=args.mode,
+        mode=mode,
         decode_pairing=pairing,
         decode_engine_ids=decode_ids,
         pairing_key=_pairing_key(args.hmac_key_file) if pairing else None,

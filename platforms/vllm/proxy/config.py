@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from .pairing import PrefillBackend
+
+
+class ProxyMode(str, enum.Enum):
+    """How a request is dispatched: push sends it to prefill and decode at once (kvpush, vLLM's
+    NixlPushConnector); pull sends it to the prefill first, then its kv_transfer_params to the decode
+    (vLLM's NixlConnector)."""
+
+    PUSH = "push"
+    PULL = "pull"
+
+    def __str__(self) -> str:
+        return self.value
+
 
 _POSITIVE = (
     "max_body_bytes",
@@ -25,7 +39,7 @@ class ProxyConfig:
 
     prefill: list[PrefillBackend]
     decode: list[str]
-    mode: str = "push"  # push | pull
+    mode: ProxyMode = ProxyMode.PUSH  # a plain "push" / "pull" is taken too
     # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
     decode_pairing: list[str] = field(default_factory=list)
     # per decode: its engine_id ("" = learn it from its pairing check's answer). Sent with the prefill leg
@@ -58,12 +72,16 @@ class ProxyConfig:
     # counters the router adds to (requests, errors, released)
     stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0, "released": 0})
 
+    def __post_init__(self) -> None:
+        try:
+            self.mode = ProxyMode(self.mode)
+        except ValueError:
+            raise ValueError(f"mode must be 'push' or 'pull', got {self.mode!r}") from None
+
     def check(self) -> None:
         """ValueError naming the first setting the proxy cannot run with."""
         if not self.prefill or not self.decode:
             raise ValueError("the proxy needs at least one prefill and one decode backend")
-        if self.mode not in ("push", "pull"):
-            raise ValueError(f"mode must be 'push' or 'pull', got {self.mode!r}")
         if self.decode_pairing and len(self.decode_pairing) != len(self.decode):
             raise ValueError(
                 f"decode_pairing has {len(self.decode_pairing)} entries for {len(self.decode)} decode backends"

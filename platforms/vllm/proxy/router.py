@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
-from .config import ProxyConfig
+from .config import ProxyConfig, ProxyMode
 from .pairing import Pairing, PrefillBackend
 from .release import release_target, transfer_keys
 from .server import TimingsLog, error_body
@@ -244,7 +244,7 @@ class Router:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         self.cfg.stats["requests"] += 1
         rec = self.timings.record(request_id)
-        if self.cfg.mode == "pull":
+        if self.cfg.mode is ProxyMode.PULL:
             pull_params = KVTransferParams(do_remote_decode=True).to_dict()
             resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
             rec["prefill_done"] = time.perf_counter()
@@ -417,7 +417,7 @@ class Router:
 
         results = dict(await asyncio.gather(*(probe(u) for u in urls)))
         down = [u for u, ok in results.items() if not ok]
-        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode}
+        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode.value}
         if self.pairings:
             pairs = await self.check_pairings()
             out["pairings"] = [p.describe() for p in pairs]
