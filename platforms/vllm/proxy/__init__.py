@@ -25,10 +25,10 @@ and the timings endpoint are bounded by the limits in ProxyConfig; `GET /kvpush/
 when a token is configured (--timings, token from --timings-token-file or $KVPUSH_PROXY_TIMINGS_TOKEN).
 
 The modules: cli.py (the flags, `kvpush proxy`'s entry), config.py (ProxyConfig), app.py (the aiohttp
-application and its routes), router.py (dispatch, relay, pairing checks, /health), pairing.py (one
-pairing as the proxy sees it), release.py (freeing a left client's transfers through the decode),
-server.py (what faces clients: bodies, request ids, connections, timings, serving). aiohttp is imported
-where used, so `kvpush proxy --help` works without it.
+application and its routes), router.py (dispatch, relay, /health), checks.py (the pairing checks and releases
+at the decodes' pairing servers), pairing.py (one pairing as the proxy sees it), release.py (freeing a left
+client's transfers through the decode), server.py (what faces clients: bodies, request ids, connections,
+timings, serving). aiohttp is imported where used, so `kvpush proxy --help` works without it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,6 @@ limits)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -14,10 +13,11 @@ import uuid
 from collections.abc import Awaitable
 from typing import Any
 
-from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
+from ..params import KVTransferParams
+from .checks import PairingChecks
 from .config import ProxyConfig, ProxyMode
 from .pairing import Pairing, PrefillBackend
-from .release import release_target, transfer_keys
+from .release import transfer_keys
 from .server import TimingsLog, error_body
 
 log = logging.getLogger("kvpush.proxy")
@@ -43,22 +43,15 @@ def backend_session(request_timeout_s: float, connect_timeout_s: float, keepaliv
 
 
 class Router:
-    """Round robin over prefill and decode backends, and the two dispatch modes."""
+    """Round robin over prefill and decode backends, and the two dispatch modes; the pairing checks and
+    releases at the decodes' pairing servers are its PairingChecks' (checks.py)."""
 
     def __init__(self, cfg: ProxyConfig):
         cfg.check()
         self.cfg = cfg
-        self.pairings: dict[tuple[str, str], Pairing] = {
-            (p.url, d): Pairing(p, d, u.rstrip("/"))
-            for d, u in zip(cfg.decode, cfg.decode_pairing or [""] * len(cfg.decode), strict=True)
-            if u
-            for p in cfg.prefill
-        }
-        self._pairing_task: asyncio.Task[None] | None = None
-        self._releases: set[asyncio.Future[None]] = set()  # release calls in flight (kept referenced)
-        # decode URL -> engine id, as configured or as its pairing check reported it
-        self._named = dict(zip(cfg.decode, cfg.decode_engine_ids or [""] * len(cfg.decode), strict=True))
-        self.decode_ids = {d: i for d, i in self._named.items() if i}
+        self.checks = PairingChecks(
+            cfg.prefill, cfg.decode, cfg.decode_pairing, cfg.decode_engine_ids, cfg.pairing_key, cfg.stats
+        )
         self._prefill = itertools.cycle(cfg.prefill)
         self._decode = itertools.cycle(cfg.decode)
         self._session: Any = None
@@ -70,56 +63,20 @@ class Router:
     async def start(self) -> None:
         cfg = self.cfg
         self._session = backend_session(cfg.request_timeout_s, cfg.connect_timeout_s, cfg.backend_keepalive_s)
-        if self.pairings:
-            self._pairing_task = asyncio.ensure_future(self._keep_checking())
+        self.checks.start(self._session)
 
     async def close(self) -> None:
-        if self._pairing_task is not None:
-            self._pairing_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pairing_task
-        for task in list(self._releases):
-            task.cancel()
+        await self.checks.close()
         if self._session is not None:
             await self._session.close()
 
-    # ---- pairing checks ------------------------------------------------------------------------
-    def _signed(self, target: str) -> dict[str, str]:
-        """Headers for a GET of `target` on a decode's pairing server: signed when the decodes are keyed."""
-        key = self.cfg.pairing_key
-        return {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
-
-    async def check_pairing(self, pair: Pairing) -> Pairing:
-        """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
-        import aiohttp
-
-        target = pair.target()
-        try:
-            async with self._session.get(
-                f"{pair.pairing_url}{target}",
-                headers=self._signed(target),
-                timeout=aiohttp.ClientTimeout(total=15),
-            ) as r:
-                body = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            pair.ok, pair.error = None, f"pairing check at {pair.pairing_url} failed: {exc!r}"
-            return pair
-        pair.take_answer(r.status, body, self._named.get(pair.decode, ""))
-        if pair.ok and pair.decode_engine_id:
-            self.decode_ids[pair.decode] = pair.decode_engine_id
-        elif pair.ok is False:
-            log.error("pairing refused: %s", pair.refusal())
-        return pair
+    @property
+    def pairings(self) -> dict[tuple[str, str], Pairing]:
+        return self.checks.pairings
 
     async def check_pairings(self) -> list[Pairing]:
-        return list(await asyncio.gather(*(self.check_pairing(p) for p in self.pairings.values())))
-
-    async def _keep_checking(self) -> None:
-        """From start (engines may still be loading) for the proxy's life: every 2 s while any pairing
-        is refused or unknown, every 10 s once all are fine (a restarted engine may break one)."""
-        while True:
-            pairs = await self.check_pairings()
-            await asyncio.sleep(10.0 if all(p.ok for p in pairs) else 2.0)
+        """Check every pairing now (also part of /health)."""
+        return await self.checks.check_all()
 
     def _pick(self) -> tuple[PrefillBackend, str]:
         """The next (prefill, decode) in round robin, skipping pairings known to be refused; if every
@@ -134,33 +91,6 @@ class Router:
             first = first or pair
         assert first is not None
         raise BackendError(503, first.refusal(), first.decode)
-
-    # ---- releasing a left client's transfers (release.py) ---------------------------------------
-    def _release_later(self, prefill: PrefillBackend, decode_url: str, keys: list[str]) -> None:
-        pair = self.pairings.get((prefill.url, decode_url))
-        if pair is None or not pair.pairing_url:
-            return  # no pairing server to ask (vLLM's own connectors, or not configured)
-        task = asyncio.ensure_future(self._release(pair.pairing_url, prefill, keys))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, pairing_url: str, prefill: PrefillBackend, keys: list[str]) -> None:
-        """Best effort: a decode that does not answer leaves the prefill's lease to free the blocks."""
-        import aiohttp
-
-        target = release_target(prefill, keys)
-        try:
-            async with self._session.get(
-                f"{pairing_url}{target}", headers=self._signed(target), timeout=aiohttp.ClientTimeout(total=5)
-            ) as r:
-                if r.status != 200:
-                    log.warning("release of %s at %s: %s %s", keys, pairing_url, r.status, await r.text())
-                    return
-            self.cfg.stats["released"] += len(keys)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning(
-                "release of %s at %s failed: %r (the prefill's lease frees them)", keys, pairing_url, exc
-            )
 
     # ---- backend calls -------------------------------------------------------------------------
     async def _post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -227,7 +157,7 @@ class Router:
             if pair is None or exc.backend != decode_url + path:
                 raise
             # The decode failed: if the pairing broke since the last check, say that, not "error 500".
-            await self.check_pairing(pair)
+            await self.checks.check(pair)
             if pair.ok is False:
                 raise BackendError(503, pair.refusal(), decode_url) from exc
             raise
@@ -263,7 +193,7 @@ class Router:
         prefill_params = KVTransferParams(
             do_remote_decode=True,
             transfer_id=transfer_id,
-            decode_engine_id=self.decode_ids.get(decode_url) or None,
+            decode_engine_id=self.checks.decode_ids.get(decode_url) or None,
         ).to_dict(sparse=True)
         prefill_task = asyncio.ensure_future(
             self._post_json(prefill.url + path, self._prefill_body(body, prefill_params), headers)
@@ -276,7 +206,7 @@ class Router:
             # The client went away: abort the prefill too (closing its connection makes vLLM abort it).
             prefill_task.cancel()
             if "first_chunk" not in rec:  # the decode may never have had it: free the prefill's blocks
-                self._release_later(prefill, decode_url, transfer_keys(transfer_id, path, body))
+                self.checks.release_later(prefill, decode_url, transfer_keys(transfer_id, path, body))
             raise
         finally:
             if not prefill_task.done():
