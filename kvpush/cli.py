@@ -39,7 +39,7 @@ COMMANDS: dict[str, Command] = {
         "kvpush.apps.bench.plot", "draw the TTFT/TPOT figure from a results folder", (("matplotlib", "plot"),)
     ),
     "proxy": Command(
-        "kvpush.platforms.vllm.tools.proxy",
+        "kvpush.platforms.vllm.proxy.cli",
         "OpenAI-compatible concurrent-dispatch P/D proxy",
         (("aiohttp", "proxy"),),
     ),

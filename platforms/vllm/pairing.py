@@ -1,5 +1,5 @@
 """The decode's pairing check: GET /kvpush/pairing?engine_id=&host=&port=&tp_size=&pp_size= on one rank,
-and GET /kvpush/release?<the same>&key=... (the proxy frees a left client's transfers; proxy_release.py).
+and GET /kvpush/release?<the same>&key=... (the proxy frees a left client's transfers; proxy/release.py).
 
 The check makes the decode handshake with whatever prefill address the query names, so it binds loopback
 unless extra config `pairing_host` says otherwise (ConnectorSettings refuses a wider bind without a key),

@@ -129,7 +129,7 @@ _OWN_KEYS = (
 # target under a key derived from the shared one (a captured request can only repeat the same check).
 PAIRING_HEADER = "X-KVPush-Pairing-Auth"
 PAIRING_ROUTE = "/kvpush/pairing"  # the decode's pairing check (pairing.py)
-RELEASE_ROUTE = "/kvpush/release"  # the proxy frees a left client's transfers (tools/proxy_release.py)
+RELEASE_ROUTE = "/kvpush/release"  # the proxy frees a left client's transfers (proxy/release.py)
 
 
 def pairing_signature(key: bytes, target: str) -> str:

@@ -109,7 +109,7 @@ def test_the_proxy_command_with_proxy_args_parses_as_kvpush_proxy(tmp_path: Path
     set, as one cluster.env for every node has them)."""
     import argparse
 
-    from kvpush.platforms.vllm.tools import proxy
+    from kvpush.platforms.vllm.proxy import cli as proxy
 
     argv = _dry_run(
         tmp_path,

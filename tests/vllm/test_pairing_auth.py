@@ -20,8 +20,7 @@ from kvpush.endpoint import PrefillAddress
 from kvpush.errors import ConfigError
 from kvpush.platforms.vllm.pairing import PairingServer
 from kvpush.platforms.vllm.params import PAIRING_HEADER, ConnectorSettings, pairing_signature
-from kvpush.platforms.vllm.tools.proxy import PrefillBackend, ProxyConfig
-from kvpush.platforms.vllm.tools.proxy_router import Router
+from kvpush.platforms.vllm.proxy import PrefillBackend, ProxyConfig, Router
 
 KEY = os.urandom(32)
 QUERY = "/kvpush/pairing?engine_id=p0&host=192.0.2.1&port=5600&tp_size=1&pp_size=1"

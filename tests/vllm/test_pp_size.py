@@ -80,7 +80,7 @@ def test_the_pairing_check_refuses_pipeline_parallelism_before_any_handshake() -
 
 def test_the_proxy_refuses_a_pipeline_parallel_prefill_at_start() -> None:
     pytest.importorskip("aiohttp")
-    from kvpush.platforms.vllm.tools import proxy as proxy_mod
+    from kvpush.platforms.vllm.proxy import cli as proxy_mod
 
     parser = argparse.ArgumentParser()
     proxy_mod.configure(parser)

@@ -1,4 +1,4 @@
-"""Unit tests of `kvpush proxy` (platforms/vllm/tools/proxy.py) against fake vLLM backends.
+"""Unit tests of `kvpush proxy` (platforms/vllm/proxy/) against fake vLLM backends.
 
 Everything runs in-process on 127.0.0.1: the fake prefill/decode backends and the proxy are aiohttp apps
 on ephemeral ports, and a plain aiohttp ClientSession talks to the proxy. No vLLM, no GPU. Each test is a
@@ -23,9 +23,9 @@ aiohttp = pytest.importorskip("aiohttp")
 
 from aiohttp import web  # noqa: E402
 
-from kvpush.platforms.vllm.tools import proxy as proxy_mod  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy_http import start_server  # noqa: E402
+from kvpush.platforms.vllm.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
+from kvpush.platforms.vllm.proxy import cli as proxy_mod  # noqa: E402
+from kvpush.platforms.vllm.proxy.server import start_server  # noqa: E402
 
 CALL_TIMEOUT_S = 5.0  # one proxy call
 TEST_TIMEOUT_S = 20.0  # one whole test body
@@ -261,7 +261,7 @@ class Env:
         self.session = session
         self.prefill = prefill
         self.app = app
-        self.server = server  # proxy_http.RunningServer: its ConnectionGuard
+        self.server = server  # proxy.server.RunningServer: its ConnectionGuard
 
     async def call(
         self,
@@ -303,7 +303,7 @@ async def environment(
     pairing: list[Any] | None = None,
     **limits: Any,
 ):
-    """Fakes and the proxy, served as `kvpush proxy` serves it (proxy_http.start_server). limits:
+    """Fakes and the proxy, served as `kvpush proxy` serves it (proxy.server.start_server). limits:
     ProxyConfig fields (the timings endpoint is on, with TIMINGS_TOKEN, unless timings_token="")."""
     async with contextlib.AsyncExitStack() as stack:
         urls: list[list[str]] = [[], []]

@@ -21,7 +21,7 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 
-from kvpush.platforms.vllm.tools.proxy import ProxyConfig  # noqa: E402
+from kvpush.platforms.vllm.proxy import ProxyConfig  # noqa: E402
 
 from .test_proxy import environment, run  # noqa: E402
 

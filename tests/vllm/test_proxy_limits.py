@@ -1,8 +1,8 @@
-"""`kvpush proxy` facing clients (proxy_http.py): what a client can make it read, parse, keep or hold
+"""`kvpush proxy` facing clients (proxy/server.py): what a client can make it read, parse, keep or hold
 open is bounded, each refusal names its limit, and the proxy keeps serving others meanwhile.
 
 Same set-up as test_proxy.py: fake backends and the proxy in-process on 127.0.0.1, the proxy served by
-proxy_http.start_server exactly as `kvpush proxy` serves it. Bare sockets play the misbehaving clients.
+proxy.server.start_server exactly as `kvpush proxy` serves it. Bare sockets play the misbehaving clients.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import pytest
 
 aiohttp = pytest.importorskip("aiohttp")
 
+from kvpush.platforms.vllm.proxy import PrefillBackend, ProxyConfig, Router, build_app  # noqa: E402
+from kvpush.platforms.vllm.proxy import cli as proxy_mod  # noqa: E402
+from kvpush.platforms.vllm.proxy.server import LINGER_S, TIMINGS_TOKEN_ENV, json_depth_exceeds  # noqa: E402
 from kvpush.platforms.vllm.tools import bench_vllm  # noqa: E402
-from kvpush.platforms.vllm.tools import proxy as proxy_mod  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy import PrefillBackend, ProxyConfig, build_app  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy_http import LINGER_S, TIMINGS_TOKEN_ENV, json_depth_exceeds  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy_router import Router  # noqa: E402
 
 from .test_proxy import TIMINGS_TOKEN, Env, Fake, environment, error_message, run  # noqa: E402
 
@@ -594,7 +593,7 @@ def test_the_open_file_limit_is_raised_for_max_connections(
 ):
     import resource
 
-    from kvpush.platforms.vllm.tools.proxy_http import ensure_file_limit
+    from kvpush.platforms.vllm.proxy.server import ensure_file_limit
 
     limits = {"soft": 1024, "hard": 1_000_000}
 

@@ -28,8 +28,8 @@ from kvpush.platforms.vllm.params import (  # noqa: E402
     pairing_signature,
     transfer_key,
 )
-from kvpush.platforms.vllm.tools.proxy_pairing import PrefillBackend  # noqa: E402
-from kvpush.platforms.vllm.tools.proxy_release import release_target, transfer_keys  # noqa: E402
+from kvpush.platforms.vllm.proxy.pairing import PrefillBackend  # noqa: E402
+from kvpush.platforms.vllm.proxy.release import release_target, transfer_keys  # noqa: E402
 
 from .test_pairing_auth import get  # noqa: E402
 from .test_proxy import SLOW_S, Fake, FakePairing, environment, post_then_disconnect, run  # noqa: E402

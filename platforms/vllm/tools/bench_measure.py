@@ -85,7 +85,7 @@ def idle_cpu(
 
 
 def proxy_timings(url: str, token: str, clear: bool = True) -> list[dict[str, Any]]:
-    """The proxy's per-request timestamps (see proxy_http.TimingsLog; the proxy serves them only with
+    """The proxy's per-request timestamps (see proxy/server.py TimingsLog; the proxy serves them only with
     its token, Deployment.timings_token); [] if the proxy has none."""
     import urllib.request
 

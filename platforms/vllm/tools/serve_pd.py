@@ -155,7 +155,7 @@ def start_pd(
             argv = [
                 sys.executable,
                 "-m",
-                "kvpush.platforms.vllm.tools.proxy",
+                "kvpush.platforms.vllm.proxy",
                 "--port",
                 str(x_port),
                 "--mode",

@@ -1,36 +1,11 @@
-"""`kvpush proxy`: an OpenAI-compatible router for disaggregated prefill/decode.
-
-Push mode (kvpush, vLLM's NixlPushConnector): the request goes to a prefill and a decode backend at the
-same time, with the same X-Request-Id. Prefill gets `do_remote_decode` and max_tokens 1; decode gets
-`do_remote_prefill` plus the prefill's coordinates (engine id, KV host, side-channel port, TP, PP), so the
-decode can register its blocks while the prefill is still computing. The client sees the decode's answer.
-
-Pull mode (vLLM's NixlConnector): prefill first; its returned kv_transfer_params go to decode.
-
-A backend that is down, or a prefill that fails, gives the client a 502/503 with a JSON error at once;
-the decode request is then cancelled (closing the connection makes vLLM abort it), never left hanging.
-
-Every push dispatch carries a fresh `transfer_id` in both engines' kv_transfer_params, so two client
-requests with the same X-Request-Id never share a transfer key.
-
-Pairing (kvpush decodes started with `pairing_port`, given here as --decode-pairing; keyed decodes need the
-shared key, from --hmac-key-file or $KVPUSH_HMAC_KEY, to sign each check): at start and on
-every /health, the proxy asks each decode whether it can receive KV from each prefill (the decode
-handshakes with that prefill, checking the real layouts). A refused pairing makes /health 503 naming the
-mismatch, a request routed to it is answered with that reason, and a decode failure is re-checked so
-a pairing that broke between checks is named too, instead of the engine's bare "Internal server error".
-
-Facing clients (proxy_http.py, SECURITY.md "The proxy"): bodies, JSON nesting, request ids, connections
-and the timings endpoint are bounded by the limits in ProxyConfig; `GET /kvpush/timings` is served only
-when a token is configured (--timings, token from --timings-token-file or $KVPUSH_PROXY_TIMINGS_TOKEN).
-"""
+"""`kvpush proxy`'s command line: the flags, the ProxyConfig they make, and serving it (the package
+docstring says what the proxy does). Also `python -m kvpush.platforms.vllm.proxy`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import time
 from typing import Any
 
 from kvpush.apps.cliutil import log_level, port, positive_float
@@ -38,88 +13,12 @@ from kvpush.config import key_from_file_or_env
 from kvpush.errors import ConfigError
 
 from ..params import check_pp_size
-from .proxy_http import (
-    TIMINGS_TOKEN_ENV,
-    ClientError,
-    ConnectionGuard,
-    error_body,
-    guard_key,
-    load_timings_token,
-    read_json_object,
-    request_id_for,
-    run_server,
-)
-from .proxy_router import BackendError, Pairing, PrefillBackend, ProxyConfig, Router
-
-__all__ = [
-    "BackendError",
-    "Pairing",
-    "PrefillBackend",
-    "ProxyConfig",
-    "Router",
-    "build_app",
-    "configure",
-    "run",
-]
+from .app import build_app
+from .config import ProxyConfig, ProxyMode
+from .pairing import PrefillBackend
+from .server import TIMINGS_TOKEN_ENV, load_timings_token, run_server
 
 log = logging.getLogger("kvpush.proxy")
-
-
-def build_app(cfg: ProxyConfig) -> Any:
-    from aiohttp import web
-
-    router = Router(cfg)
-
-    async def on_startup(app: web.Application) -> None:
-        await router.start()
-
-    async def on_cleanup(app: web.Application) -> None:
-        await router.close()
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        request_id = request_id_for(request.headers.get("X-Request-Id"), cfg.max_request_id_len)
-        try:
-            body = await read_json_object(
-                request,
-                max_bytes=cfg.max_body_bytes,
-                timeout_s=cfg.body_timeout_s,
-                max_depth=cfg.max_json_depth,
-            )
-        except ClientError as exc:
-            return exc.response(request_id)
-        t0 = time.perf_counter()
-        try:
-            return await router.dispatch(request.path, body, request_id, request)
-        except BackendError as exc:
-            cfg.stats["errors"] += 1
-            log.warning("request %s failed after %.3fs: %s", request_id, time.perf_counter() - t0, exc)
-            return web.json_response(
-                error_body(str(exc), exc.status), status=exc.status, headers={"X-Request-Id": request_id}
-            )
-
-    async def health(request: web.Request) -> web.Response:
-        status, body = await router.health()
-        return web.json_response(body, status=status)
-
-    async def models(request: web.Request) -> web.StreamResponse:
-        try:
-            async with router._session.get(cfg.decode[0] + "/v1/models") as r:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-        except Exception as exc:  # noqa: BLE001 - any failure is a 503 for this informational route
-            return web.json_response(error_body(f"decode backend unreachable: {exc}", 503), status=503)
-
-    guard = ConnectionGuard(cfg.max_connections)
-    app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[guard.middleware()])
-    app[guard_key()] = guard
-    app.router.add_post("/v1/completions", handle)
-    app.router.add_post("/v1/chat/completions", handle)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    if router.timings.enabled:  # off by default: no route at all
-        app.router.add_get("/kvpush/timings", router.timings.handle)
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
-    return app
 
 
 def _expand(values: list[Any] | None, n: int, default: Any, name: str) -> list[Any]:
@@ -151,8 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mode",
-        choices=("push", "pull"),
-        default="push",
+        type=ProxyMode,
+        choices=list(ProxyMode),
+        default=ProxyMode.PUSH,
         help="push: concurrent dispatch (kvpush, NixlPushConnector); pull: prefill first (NixlConnector)",
     )
     parser.add_argument("--prefill-engine-id", action="append", help="engine_id of each prefill")
@@ -275,7 +175,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             check_pp_size(pp, "kvpush proxy: --prefill-pp-size")
         except ValueError as exc:
             raise SystemExit(str(exc)) from None
-    if args.mode == "push" and (not all(ids) or not all(ports)):
+    mode = ProxyMode(args.mode)
+    if mode is ProxyMode.PUSH and (not all(ids) or not all(ports)):
         raise SystemExit("push mode needs --prefill-engine-id and --prefill-kv-port for each --prefill")
     prefill = [
         PrefillBackend(u.rstrip("/"), i, h, p, t, q)
@@ -291,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         prefill=prefill,
         decode=decode,
-        mode=args.mode,
+        mode=mode,
         decode_pairing=pairing,
         decode_engine_ids=decode_ids,
         pairing_key=_pairing_key(args.hmac_key_file) if pairing else None,
@@ -319,13 +220,18 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(cfg)
     except ValueError as exc:
         raise SystemExit(f"kvpush proxy: {exc}") from None
-    # proxy_http.server_options: handler cancellation (a client that goes away cancels dispatch, which
+    # server.server_options: handler cancellation (a client that goes away cancels dispatch, which
     # cancels both backend requests), idle timeout, and the connection guard
     run_server(app, args.host, args.port, cfg.idle_timeout_s)
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvpush.platforms.vllm.proxy` (the same as `kvpush proxy`)."""
+    parser = argparse.ArgumentParser(prog="kvpush proxy")
+    configure(parser)
+    return run(parser.parse_args(argv))
+
+
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="kvpush proxy")
-    configure(p)
-    raise SystemExit(run(p.parse_args()))
+    raise SystemExit(main())

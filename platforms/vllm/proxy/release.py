@@ -16,7 +16,7 @@ import urllib.parse
 from typing import Any
 
 from ..params import RELEASE_ROUTE
-from .proxy_pairing import PrefillBackend, prefill_query
+from .pairing import PrefillBackend, prefill_query
 
 
 def transfer_keys(transfer_id: str, path: str, body: dict[str, Any]) -> list[str]:

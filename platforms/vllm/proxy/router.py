@@ -1,126 +1,57 @@
 """`kvpush proxy`'s routing: backends, the push and pull dispatch, relaying the decode's answer, pairing
-checks and /health (see proxy.py for what the proxy does, proxy_http.py for its client-facing limits)."""
+checks and /health (see the package docstring for what the proxy does, server.py for its client-facing
+limits)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable
-from dataclasses import dataclass, field
 from typing import Any
 
-from ..params import PAIRING_HEADER, KVTransferParams, pairing_signature
-from .proxy_http import TimingsLog, error_body
-from .proxy_pairing import Pairing, PrefillBackend
-from .proxy_release import release_target, transfer_keys
+from ..params import KVTransferParams
+from .checks import PairingChecks
+from .config import ProxyConfig, ProxyMode
+from .pairing import Pairing, PrefillBackend
+from .release import transfer_keys
+from .server import TimingsLog, error_body
 
 log = logging.getLogger("kvpush.proxy")
 
 
-@dataclass
-class ProxyConfig:
-    prefill: list[PrefillBackend]
-    decode: list[str]
-    mode: str = "push"  # push | pull
-    # per decode: base URL of its kvpush pairing check ("" = none; vLLM's own connectors have none)
-    decode_pairing: list[str] = field(default_factory=list)
-    # per decode: its engine_id ("" = learn it from its pairing check's answer). Sent with the prefill leg
-    # (kv_transfer_params.decode_engine_id), so the prefill lets only that engine register for the push
-    decode_engine_ids: list[str] = field(default_factory=list)
-    # the shared key of keyed decodes: signs each pairing check (params.PAIRING_HEADER); never shown
-    pairing_key: bytes | None = field(default=None, repr=False)
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0
-    # An idle connection to a backend is reused for at most this long. It must stay below the backends'
-    # own keep-alive (vLLM closes idle connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default):
-    # a request written on a connection the server is closing is lost (ServerDisconnectedError, a 502),
-    # and aiohttp retries no POST. aiohttp's own default is 15 s.
-    backend_keepalive_s: float = 4.0
-    # Client-facing limits (proxy_http.py). A body: at most max_body_bytes, all of it within
-    # body_timeout_s, nested at most max_json_depth deep. Connections: at most max_connections, idle
-    # ones (or ones still sending headers) closed after idle_timeout_s.
-    max_body_bytes: int = 16 << 20
-    body_timeout_s: float = 30.0
-    max_json_depth: int = 64
-    max_request_id_len: int = 128
-    max_connections: int = 1024
-    idle_timeout_s: float = 30.0
-    # a streamed answer's write to the client must finish within this, or the client is dropped
-    write_timeout_s: float = 60.0
-    # GET /kvpush/timings: off while empty; else served only with this bearer token, at most
-    # timings_max_records records.
-    timings_token: str = ""
-    timings_max_records: int = 10_000
-    stats: dict[str, int] = field(default_factory=lambda: {"requests": 0, "errors": 0, "released": 0})
-
-
 class BackendError(Exception):
+    """A backend failed or refused: `status` is what the client is answered, `backend` the URL at fault."""
+
     def __init__(self, status: int, message: str, backend: str):
         super().__init__(message)
         self.status = status
         self.backend = backend
 
 
-_POSITIVE = (
-    "max_body_bytes",
-    "body_timeout_s",
-    "max_json_depth",
-    "max_request_id_len",
-    "max_connections",
-    "idle_timeout_s",
-    "write_timeout_s",
-    "timings_max_records",
-    "backend_keepalive_s",
-)
-
-
-def backend_session(cfg: ProxyConfig) -> Any:
+def backend_session(request_timeout_s: float, connect_timeout_s: float, keepalive_s: float) -> Any:
     """The pooled HTTP session to the backends: the request and connect timeouts, and idle connections
-    dropped before a backend's own keep-alive closes them (ProxyConfig.backend_keepalive_s)."""
+    dropped after keepalive_s, before a backend's own keep-alive closes them (ProxyConfig.backend_keepalive_s)."""
     import aiohttp
 
-    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=cfg.backend_keepalive_s)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False, keepalive_timeout=keepalive_s)
     return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
 class Router:
-    """Round robin over prefill and decode backends, and the two dispatch modes."""
+    """Round robin over prefill and decode backends, and the two dispatch modes; the pairing checks and
+    releases at the decodes' pairing servers are its PairingChecks' (checks.py)."""
 
     def __init__(self, cfg: ProxyConfig):
-        if not cfg.prefill or not cfg.decode:
-            raise ValueError("the proxy needs at least one prefill and one decode backend")
-        if cfg.mode not in ("push", "pull"):
-            raise ValueError(f"mode must be 'push' or 'pull', got {cfg.mode!r}")
-        if cfg.decode_pairing and len(cfg.decode_pairing) != len(cfg.decode):
-            raise ValueError(
-                f"decode_pairing has {len(cfg.decode_pairing)} entries for {len(cfg.decode)} decode backends"
-            )
-        if cfg.decode_engine_ids and len(cfg.decode_engine_ids) != len(cfg.decode):
-            raise ValueError(
-                f"decode_engine_ids has {len(cfg.decode_engine_ids)} entries for {len(cfg.decode)} decode "
-                "backends"
-            )
-        for name in _POSITIVE:
-            if not getattr(cfg, name) > 0:
-                raise ValueError(f"{name} must be positive, got {getattr(cfg, name)!r}")
+        cfg.check()
         self.cfg = cfg
-        self.pairings: dict[tuple[str, str], Pairing] = {
-            (p.url, d): Pairing(p, d, u.rstrip("/"))
-            for d, u in zip(cfg.decode, cfg.decode_pairing or [""] * len(cfg.decode), strict=True)
-            if u
-            for p in cfg.prefill
-        }
-        self._pairing_task: asyncio.Task[None] | None = None
-        self._releases: set[asyncio.Future[None]] = set()  # release calls in flight (kept referenced)
-        # decode URL -> engine id, as configured or as its pairing check reported it
-        self._named = dict(zip(cfg.decode, cfg.decode_engine_ids or [""] * len(cfg.decode), strict=True))
-        self.decode_ids = {d: i for d, i in self._named.items() if i}
+        self.checks = PairingChecks(
+            cfg.prefill, cfg.decode, cfg.decode_pairing, cfg.decode_engine_ids, cfg.pairing_key, cfg.stats
+        )
         self._prefill = itertools.cycle(cfg.prefill)
         self._decode = itertools.cycle(cfg.decode)
         self._session: Any = None
@@ -130,57 +61,22 @@ class Router:
         self.timings = TimingsLog(cfg.timings_token, cfg.timings_max_records)
 
     async def start(self) -> None:
-        self._session = backend_session(self.cfg)
-        if self.pairings:
-            self._pairing_task = asyncio.ensure_future(self._keep_checking())
+        cfg = self.cfg
+        self._session = backend_session(cfg.request_timeout_s, cfg.connect_timeout_s, cfg.backend_keepalive_s)
+        self.checks.start(self._session)
 
     async def close(self) -> None:
-        if self._pairing_task is not None:
-            self._pairing_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pairing_task
-        for task in list(self._releases):
-            task.cancel()
+        await self.checks.close()
         if self._session is not None:
             await self._session.close()
 
-    # ---- pairing checks ------------------------------------------------------------------------
-    def _signed(self, target: str) -> dict[str, str]:
-        """Headers for a GET of `target` on a decode's pairing server: signed when the decodes are keyed."""
-        key = self.cfg.pairing_key
-        return {} if key is None else {PAIRING_HEADER: pairing_signature(key, target)}
-
-    async def check_pairing(self, pair: Pairing) -> Pairing:
-        """Ask the decode whether it can receive from pair.prefill; an unreachable decode leaves it unknown."""
-        import aiohttp
-
-        target = pair.target()
-        try:
-            async with self._session.get(
-                f"{pair.pairing_url}{target}",
-                headers=self._signed(target),
-                timeout=aiohttp.ClientTimeout(total=15),
-            ) as r:
-                body = await r.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            pair.ok, pair.error = None, f"pairing check at {pair.pairing_url} failed: {exc!r}"
-            return pair
-        pair.take_answer(r.status, body, self._named.get(pair.decode, ""))
-        if pair.ok and pair.decode_engine_id:
-            self.decode_ids[pair.decode] = pair.decode_engine_id
-        elif pair.ok is False:
-            log.error("pairing refused: %s", pair.refusal())
-        return pair
+    @property
+    def pairings(self) -> dict[tuple[str, str], Pairing]:
+        return self.checks.pairings
 
     async def check_pairings(self) -> list[Pairing]:
-        return list(await asyncio.gather(*(self.check_pairing(p) for p in self.pairings.values())))
-
-    async def _keep_checking(self) -> None:
-        """From start (engines may still be loading) for the proxy's life: every 2 s while any pairing
-        is refused or unknown, every 10 s once all are fine (a restarted engine may break one)."""
-        while True:
-            pairs = await self.check_pairings()
-            await asyncio.sleep(10.0 if all(p.ok for p in pairs) else 2.0)
+        """Check every pairing now (also part of /health)."""
+        return await self.checks.check_all()
 
     def _pick(self) -> tuple[PrefillBackend, str]:
         """The next (prefill, decode) in round robin, skipping pairings known to be refused; if every
@@ -195,33 +91,6 @@ class Router:
             first = first or pair
         assert first is not None
         raise BackendError(503, first.refusal(), first.decode)
-
-    # ---- releasing a left client's transfers (proxy_release.py) --------------------------------
-    def _release_later(self, prefill: PrefillBackend, decode_url: str, keys: list[str]) -> None:
-        pair = self.pairings.get((prefill.url, decode_url))
-        if pair is None or not pair.pairing_url:
-            return  # no pairing server to ask (vLLM's own connectors, or not configured)
-        task = asyncio.ensure_future(self._release(pair.pairing_url, prefill, keys))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, pairing_url: str, prefill: PrefillBackend, keys: list[str]) -> None:
-        """Best effort: a decode that does not answer leaves the prefill's lease to free the blocks."""
-        import aiohttp
-
-        target = release_target(prefill, keys)
-        try:
-            async with self._session.get(
-                f"{pairing_url}{target}", headers=self._signed(target), timeout=aiohttp.ClientTimeout(total=5)
-            ) as r:
-                if r.status != 200:
-                    log.warning("release of %s at %s: %s %s", keys, pairing_url, r.status, await r.text())
-                    return
-            self.cfg.stats["released"] += len(keys)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            log.warning(
-                "release of %s at %s failed: %r (the prefill's lease frees them)", keys, pairing_url, exc
-            )
 
     # ---- backend calls -------------------------------------------------------------------------
     async def _post_json(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
@@ -288,7 +157,7 @@ class Router:
             if pair is None or exc.backend != decode_url + path:
                 raise
             # The decode failed: if the pairing broke since the last check, say that, not "error 500".
-            await self.check_pairing(pair)
+            await self.checks.check(pair)
             if pair.ok is False:
                 raise BackendError(503, pair.refusal(), decode_url) from exc
             raise
@@ -305,7 +174,7 @@ class Router:
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         self.cfg.stats["requests"] += 1
         rec = self.timings.record(request_id)
-        if self.cfg.mode == "pull":
+        if self.cfg.mode is ProxyMode.PULL:
             pull_params = KVTransferParams(do_remote_decode=True).to_dict()
             resp = await self._post_json(prefill.url + path, self._prefill_body(body, pull_params), headers)
             rec["prefill_done"] = time.perf_counter()
@@ -324,7 +193,7 @@ class Router:
         prefill_params = KVTransferParams(
             do_remote_decode=True,
             transfer_id=transfer_id,
-            decode_engine_id=self.decode_ids.get(decode_url) or None,
+            decode_engine_id=self.checks.decode_ids.get(decode_url) or None,
         ).to_dict(sparse=True)
         prefill_task = asyncio.ensure_future(
             self._post_json(prefill.url + path, self._prefill_body(body, prefill_params), headers)
@@ -337,7 +206,7 @@ class Router:
             # The client went away: abort the prefill too (closing its connection makes vLLM abort it).
             prefill_task.cancel()
             if "first_chunk" not in rec:  # the decode may never have had it: free the prefill's blocks
-                self._release_later(prefill, decode_url, transfer_keys(transfer_id, path, body))
+                self.checks.release_later(prefill, decode_url, transfer_keys(transfer_id, path, body))
             raise
         finally:
             if not prefill_task.done():
@@ -456,6 +325,14 @@ class Router:
             raise prefill_task.exception()  # type: ignore[misc]
         return await task
 
+    async def models(self) -> tuple[int, bytes]:
+        """The first decode's GET /v1/models answer (status, JSON body); any failure is a 503."""
+        try:
+            async with self._session.get(self.cfg.decode[0] + "/v1/models") as r:
+                return r.status, await r.read()
+        except Exception as exc:  # noqa: BLE001 - any failure is a 503 for this informational route
+            return 503, json.dumps(error_body(f"decode backend unreachable: {exc}", 503)).encode()
+
     async def health(self) -> tuple[int, dict[str, Any]]:
         import aiohttp
 
@@ -470,7 +347,7 @@ class Router:
 
         results = dict(await asyncio.gather(*(probe(u) for u in urls)))
         down = [u for u, ok in results.items() if not ok]
-        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode}
+        out: dict[str, Any] = {"status": "down" if down else "ok", "down": down, "mode": self.cfg.mode.value}
         if self.pairings:
             pairs = await self.check_pairings()
             out["pairings"] = [p.describe() for p in pairs]
