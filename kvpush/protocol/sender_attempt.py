@@ -37,7 +37,8 @@ class SendRules:
 
 class Ready(NamedTuple):
     """What may be written: the source table, tokens computed per layer, and whether prefill_done came
-    (then every layer holds `num_tokens`, and nothing more will come)."""
+    (then every layer holds `num_tokens`, and nothing more will come). For a WRITE made ahead: the blocks
+    and tokens source_blocks named (no frontier: the whole request is planned)."""
 
     blocks: BlockIds
     frontier: list[int]
