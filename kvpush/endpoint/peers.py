@@ -2,7 +2,7 @@
 prepared descriptor lists (per head range), apart from the side channel that binds them (prefill_bindings.py).
 
 `route(dest)` is the one lookup a WRITE or a notification makes: the peer and the session its notification
-is sealed for, or `PeerGone`. A peer the side channel no longer binds stays while the sender machine still
+is sealed for, or `PeerGone`; the notifications that go alone (done, failed) are sent from here. A peer the side channel no longer binds stays while the sender machine still
 writes to it; `prune` then drops it and releases its prepared lists (and the NIXL peer once no connection
 uses its agent). Lists of a peer replaced by a new agent are released the same way, once nothing writes
 to that rank any more: a queued or made WRITE may still index them until then.
@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.handshake import Session
 from ..protocol.layout import KVLayout
+from ..protocol.order import done_notice, failure_notice
 from ..protocol.prepared import PairUnits, pair_units
+from ..protocol.reasons import Failure
+from ..protocol.sender import NotifyDone, NotifyFailure
 from ..protocol.tp import owed_heads
 from ..transport.base import PreparedList, Transport, listed_descriptors
 from .stats import Count, Ledger
@@ -95,6 +98,35 @@ class DecodePeers:
         peer = self._peers.get(identity)
         if peer is not None:
             peer.session = None
+
+    def notify_done(self, act: NotifyDone) -> None:
+        """Every range landed and no WRITE carried the notification: it goes alone."""
+        try:
+            peer, session = self.route((act.decode_engine_id, act.decode_rank))
+            notice = done_notice(act.request_id, act.attempt, self.layout.rank, act.nbytes, session)
+            self.transport.send_notif(peer.agent, notice)
+        except TransportError as exc:  # the decode's fence or liveness check ends its wait
+            log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
+
+    def notify_failure(self, act: NotifyFailure) -> None:
+        """Tell a decode rank it will not be written (or that a WRITE was given up)."""
+        dest = (act.decode_engine_id, act.decode_rank)
+        if dest not in self._peers:
+            log.warning(
+                "kvpush prefill: cannot tell decode %s rank %s that %s failed: %s (no handshake)",
+                act.decode_engine_id,
+                act.decode_rank,
+                act.request_id,
+                act.reason,
+            )
+            return
+        if act.kind is Failure.EXPIRED:
+            self.ledger.add(Count.EXPIRED)
+        try:
+            peer, session = self.route(dest)
+            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
+        except TransportError as exc:
+            log.warning("kvpush prefill: %s", exc)
 
     def prepared(self, peer: DecodePeer, heads: tuple[int, int]) -> Prepared | None:
         """Prepare (once) the local and remote descriptor lists of this pair; None: this pair posts

@@ -82,12 +82,6 @@ class DecodeBindings:
         self.conns: dict[bytes, DecodeConn] = {}
         self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
 
-    def session(self, identity: Identity) -> Session | None:
-        """The live session of the connection that decode rank is bound to."""
-        conn = self.bound.get(identity)
-        c = self.conns.get(conn) if conn is not None else None
-        return None if c is None else c.session
-
     # ---- handshake and identity -----------------------------------------------------------------
     def on_first_message(self, conn: bytes, data: bytes | None, now: float) -> list[ConnEvent]:
         """A connection without a session may only say Hello."""

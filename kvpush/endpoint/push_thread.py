@@ -21,7 +21,6 @@ import zmq
 
 from ..errors import LayoutError, TransportError
 from ..protocol.groups import BlockIds
-from ..protocol.order import done_notice, failure_notice
 from ..protocol.plan import build_plan
 from ..protocol.reasons import Failure
 from ..protocol.sender import (
@@ -259,9 +258,9 @@ class PushThread(EndpointThread[SendResult]):
     def _carry_out(self, act: SenderAction) -> None:
         """Every action but StartWrite: none of them has follow-ups."""
         if isinstance(act, NotifyFailure):
-            self._notify_failure(act)
+            self.peers.notify_failure(act)
         elif isinstance(act, NotifyDone):
-            self._notify_done(act)
+            self.peers.notify_done(act)
         elif isinstance(act, Arm):
             self.maker.arm(act.write, self.requests.get(act.write.request_id))
         elif isinstance(act, Disarm):
@@ -408,34 +407,6 @@ class PushThread(EndpointThread[SendResult]):
             act.reason,
             len(act.ready_blocks),
         )
-
-    def _notify_done(self, act: NotifyDone) -> None:
-        """Every range landed and no WRITE carried the notification: it goes alone."""
-        try:
-            peer, session = self.peers.route((act.decode_engine_id, act.decode_rank))
-            notice = done_notice(act.request_id, act.attempt, self.layout.rank, act.nbytes, session)
-            self.transport.send_notif(peer.agent, notice)
-        except TransportError as exc:  # the decode's fence or liveness check ends its wait
-            log.warning("kvpush prefill: could not tell decode that %s landed: %s", act.request_id, exc)
-
-    def _notify_failure(self, act: NotifyFailure) -> None:
-        dest = (act.decode_engine_id, act.decode_rank)
-        if self.peers.get(dest) is None:
-            log.warning(
-                "kvpush prefill: cannot tell decode %s rank %s that %s failed: %s (no handshake)",
-                act.decode_engine_id,
-                act.decode_rank,
-                act.request_id,
-                act.reason,
-            )
-            return
-        if act.kind is Failure.EXPIRED:
-            self.ledger.add(Count.EXPIRED)
-        try:
-            peer, session = self.peers.route(dest)
-            self.transport.send_notif(peer.agent, failure_notice(act, self.layout.rank, session))
-        except TransportError as exc:
-            log.warning("kvpush prefill: %s", exc)
 
     def inline_ok(self, request_id: str) -> bool:
         """prefill_done may run on the engine's thread (loop.run_inline): only to post WRITEs made ahead
