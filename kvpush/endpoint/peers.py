@@ -2,10 +2,11 @@
 prepared descriptor lists (per head range), apart from the side channel that binds them (prefill_bindings.py).
 
 `route(dest)` is the one lookup a WRITE or a notification makes: the peer and the session its notification
-is sealed for, or `PeerGone`; the notifications that go alone (done, failed) are sent from here. A peer the side channel no longer binds stays while the sender machine still
-writes to it; `prune` then drops it and releases its prepared lists (and the NIXL peer once no connection
-uses its agent). Lists of a peer replaced by a new agent are released the same way, once nothing writes
-to that rank any more: a queued or made WRITE may still index them until then.
+is sealed for, or `PeerGone`; the notifications that go alone (done, failed) are sent from here. A peer the
+side channel no longer binds stays while the sender machine still writes to it; `prune` then drops it and
+releases its prepared lists (and the NIXL peer once no connection uses its agent). Lists of a peer replaced
+by a new agent are released the same way, once nothing writes to that rank any more: a queued or made WRITE
+may still index them until then. Teardown releases them all (`close`).
 """
 
 from __future__ import annotations
