@@ -1,9 +1,9 @@
 """What a transfer thread keeps per request, counted part by part.
 
-Every record or map a thread keys by request must empty once the request ends: a map that keeps an entry after its
-request left the state machine is a slow memory leak that no block count shows (the planned destination
-of a registration whose prefill never came was one). `Endpoint.kept_state()` reports these counts; at rest
-(nothing pending, leases run out) each is 0, which the tests and `kvpush soak` check.
+Every record or map a thread keys by request must empty once the request ends: one that keeps an entry
+after its request left the state machine is a slow memory leak that no block count shows (the planned
+destination of a registration whose prefill never came was one). `Endpoint.kept_state()` reports these
+counts; at rest (nothing pending, leases run out) each is 0, which the tests and `kvpush soak` check.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from ..protocol.prepared import Half
 
 @dataclass(eq=False, slots=True)
 class PushRequest:
-    """One request on the push thread, from its first event until its SendResult (or until it is forgotten)."""
+    """One request on the push thread, from its first event until its SendResult (or until forgotten)."""
 
     marks: dict[str, float] = field(default_factory=dict)  # TIMELINE marks so far
     prefill_done_at: float | None = None
@@ -39,8 +39,9 @@ class PushRequest:
 
 
 class EngineSide:
-    """Per request, what engine calls leave for a later engine call: source_blocks' checked table (prefill_done
-    naming the same ids skips the check) and the requests with a kv_ready sent to the push thread (not held).
+    """Per request, what engine calls leave for a later engine call: source_blocks' checked table
+    (prefill_done naming the same ids skips the check) and the requests with a kv_ready sent to the push
+    thread (not held).
     Engine threads add and take; the push thread drops a request it forgets. Single dict and set operations,
     each atomic under the GIL: no lock on the engine's path."""
 
