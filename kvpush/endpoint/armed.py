@@ -43,6 +43,9 @@ class ArmedStore:
     def __len__(self) -> int:
         return sum(len(ranks) for ranks in self._made.values())
 
+    def __bool__(self) -> bool:
+        return bool(self._made)  # one read on every WRITE's path, where __len__ would sum
+
     def __contains__(self, key: Key) -> bool:
         return key[1:] in self._made.get(key[0], {})
 

@@ -1,4 +1,4 @@
-"""What the prefill's connection table (prefill_conns.py) tells the push thread, as plain events."""
+"""What the prefill's side channel (prefill_conns.py, prefill_bindings.py) tells the push thread."""
 
 from __future__ import annotations
 

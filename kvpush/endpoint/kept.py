@@ -1,9 +1,9 @@
-"""What a transfer thread keeps per request, counted map by map.
+"""What a transfer thread keeps per request, counted part by part.
 
-Every map a thread keys by request must empty once the request ends: a map that keeps an entry after its
-request left the state machine is a slow memory leak that no block count shows (the planned destination
-of a registration whose prefill never came was one). `Endpoint.kept_state()` reports these counts; at rest
-(nothing pending, leases run out) each is 0, which the tests and `kvpush soak` check.
+Every record or map a thread keys by request must empty once the request ends: one that keeps an entry
+after its request left the state machine is a slow memory leak that no block count shows (the planned
+destination of a registration whose prefill never came was one). `Endpoint.kept_state()` reports these
+counts; at rest (nothing pending, leases run out) each is 0, which the tests and `kvpush soak` check.
 """
 
 from __future__ import annotations
@@ -22,31 +22,47 @@ class _Scheduler(Protocol):
     def queues(self) -> Mapping[Any, Sized]: ...
 
 
+class _Record(Protocol):
+    """push_request.PushRequest, as far as the counts read it."""
+
+    @property
+    def marks(self) -> Sized: ...
+    @property
+    def prefill_done_at(self) -> float | None: ...
+    @property
+    def barriers(self) -> Sized | None: ...
+    @property
+    def staged(self) -> bool: ...
+    @property
+    def reads_until(self) -> float: ...
+    @property
+    def src_half(self) -> object: ...
+    @property
+    def dst_half(self) -> Sized | None: ...
+
+
+class _EngineSide(Protocol):
+    @property
+    def sourced(self) -> Sized: ...
+    @property
+    def streaming(self) -> Sized: ...
+
+
 class _PushMaps(Protocol):
     @property
     def state(self) -> Sized: ...
     @property
-    def prefill_done_at(self) -> Sized: ...
-    @property
-    def kv_written(self) -> Sized: ...
-    @property
-    def staged(self) -> Sized: ...
-    @property
-    def timeline(self) -> Sized: ...
-    @property
-    def reads_until(self) -> Sized: ...
+    def requests(self) -> Mapping[str, _Record]: ...
     @property
     def held(self) -> Sized: ...
     @property
     def early(self) -> Sized: ...
     @property
-    def src_half(self) -> Sized: ...
-    @property
-    def dst_half(self) -> Sized: ...
-    @property
     def armed(self) -> Sized: ...
     @property
     def scheduler(self) -> _Scheduler: ...
+    @property
+    def engine(self) -> _EngineSide: ...
 
 
 class _ReceiveMaps(Protocol):
@@ -63,21 +79,27 @@ class _ReceiveMaps(Protocol):
 
 
 def prefill_kept(t: _PushMaps) -> dict[str, int]:
-    """The push thread's per-request state (tombstones aside: they expire on their own clock)."""
+    """The prefill's per-request state, on the push thread and the engine's side (tombstones aside: they
+    expire on their own clock). `push_requests` counts the records; the keys after it count the records
+    holding each part (the names of the maps these parts once were), so a part left behind is named."""
+    recs = list(t.requests.values())
     return {
         "requests": len(t.state),
-        "prefill_done_at": len(t.prefill_done_at),
-        "kv_written": len(t.kv_written),
-        "staged": len(t.staged),
-        "timeline": len(t.timeline),
-        "reads_until": len(t.reads_until),
+        "push_requests": len(recs),
+        "prefill_done_at": sum(r.prefill_done_at is not None for r in recs),
+        "kv_written": sum(bool(r.barriers) for r in recs),
+        "staged": sum(r.staged for r in recs),
+        "timeline": sum(bool(r.marks) for r in recs),
+        "reads_until": sum(r.reads_until > 0 for r in recs),
         "held_releases": len(t.held),
         "held_kv_ready": len(t.early),
-        "src_half": len(t.src_half),
-        "dst_half": len(t.dst_half),
+        "src_half": sum(r.src_half is not None for r in recs),
+        "dst_half": sum(bool(r.dst_half) for r in recs),
         "armed": len(t.armed),
         "writes_in_flight": len(t.scheduler.writes),
         "writes_queued": sum(len(q) for q in t.scheduler.queues.values()),
+        "engine_sourced": len(t.engine.sourced),
+        "engine_streaming": len(t.engine.streaming),
     }
 
 

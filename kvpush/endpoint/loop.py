@@ -1,4 +1,8 @@
-"""The transfer thread: one per endpoint, the only code in kvpush that runs on a thread of its own.
+"""The transfer thread: one per endpoint, the thread that owns the endpoint's state and transport.
+
+Besides it, the library starts only the optional posting threads (posting.py, `posting.workers`: they post
+and poll WRITEs the push thread hands them, and touch no state of its own) and prometheus_client's metrics
+server (`metrics.port`).
 
 Engine-facing calls put a command on a queue and ring a doorbell (a pipe), then return. The thread owns
 everything else: it reads the side channel, feeds the sans-IO state machines, posts WRITEs and drives them
@@ -19,6 +23,7 @@ runs (it fails what is live), and every later engine-facing call raises Endpoint
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import os
@@ -66,8 +71,9 @@ class Doorbell:
                 os.close(fd)
 
 
-class TransferThread:
-    """A thread that runs `step()` until stopped; subclasses own the transport and the state machine."""
+class TransferThread(abc.ABC):
+    """A thread that runs `step()` until stopped; subclasses own the transport and the state machine and
+    implement the four abstract hooks (setup, teardown, step, busy); the others have defaults."""
 
     name = "kvpush-transfer"
 
@@ -178,18 +184,26 @@ class TransferThread:
         return value
 
     # subclass hooks -----------------------------------------------------------------------------
-    def setup(self) -> None: ...
-    def teardown(self) -> None: ...
-    def wound_down(self) -> None:
-        """The thread's last act, after teardown reported everything it had to."""
+    @abc.abstractmethod
+    def setup(self) -> None:
+        """On the thread, before its first round: create the transport and side channel; an exception
+        here is raised from start()."""
 
+    @abc.abstractmethod
+    def teardown(self) -> None:
+        """On the thread, after its last round (or its death): release what setup made and report every
+        live request failed."""
+
+    @abc.abstractmethod
     def step(self, now: float) -> bool:
         """One round of I/O; True if anything happened (keeps the loop in busy mode)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def busy(self) -> bool:
         """True while transfers are in flight or expected: poll fast."""
-        raise NotImplementedError
+
+    def wound_down(self) -> None:  # noqa: B027 - an optional hook: nothing to do by default
+        """The thread's last act, after teardown reported everything it had to."""
 
     def tracked(self) -> int:
         """Requests the thread's state machine still tracks (leases and timeouts need ticks)."""

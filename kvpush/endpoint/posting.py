@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from ..errors import ConfigError, TransportError
 from ..protocol.plan import TransferPlan
@@ -66,20 +66,29 @@ class MadeWrite:
 WriteSpec = PreparedWrite | DescWrite | MadeWrite
 
 
+class Lists(Protocol):
+    """A pair's prepared lists (peers.py `Prepared`)."""
+
+    @property
+    def local(self) -> PreparedList: ...
+    @property
+    def remote(self) -> PreparedList: ...
+
+
 def write_spec(
     plan: TransferPlan | IndexPlan,
     notif: bytes,
     agent: str,
     mem_type: str,
-    prepared: tuple[PreparedList, PreparedList] | None,
+    prepared: Lists | None,
 ) -> WriteSpec:
-    """The WRITE as data, for whichever thread posts it: indices into the pair's prepared lists (local,
-    remote) for an index plan, fresh descriptor lists otherwise."""
+    """The WRITE as data, for whichever thread posts it: indices into the pair's prepared lists (its
+    `local` and `remote`) for an index plan, fresh descriptor lists otherwise."""
     if isinstance(plan, TransferPlan):
         local, remote = plan.nixl_descs()
         return DescWrite(agent, local, remote, notif, mem_type)
     assert prepared is not None  # an index plan indexes the pair's prepared lists
-    return PreparedWrite(prepared[0], plan.src_idx, prepared[1], plan.dst_idx, notif)
+    return PreparedWrite(prepared.local, plan.src_idx, prepared.remote, plan.dst_idx, notif)
 
 
 def post(transport: Transport, spec: WriteSpec) -> XferHandle:

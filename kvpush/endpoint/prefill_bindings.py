@@ -1,17 +1,16 @@
 """Who is on the other end of the prefill's side channel: the decode identities its connections bind.
 
-`DecodeBindings` keeps the table of connections and everything about their identity: the Hello and its
-session keys (keyed: a Hello binds nothing until the first sealed message, the decode's PeerMemory, opens),
-the (engine, rank) each connection binds and a reconnect or replacement of it, the NIXL peer and prepared
-lists of a bound rank, liveness (pings, silent connections dropped, unused NIXL peers pruned), and sealed
-replies and refusals. It is the base of `DecodeConnections` (prefill_conns.py), which adds what arrives
-on a connection once it is bound (fair receive, registrations, aborts); kept apart so that how a peer
-proves and keeps its identity reads in one place. What the sender machine must hear comes back as events.
+`DecodeBindings` keeps the table of side-channel connections and everything about their identity: the Hello
+and its session keys (keyed: a Hello binds nothing until the first sealed message, the decode's PeerMemory,
+opens), the (engine, rank) each connection binds and a reconnect or replacement of it, liveness (pings,
+silent connections dropped, unused data-plane peers pruned), and sealed replies and refusals. A bound rank's
+NIXL agent and prepared lists live in the data-plane table (peers.py), which this table keeps in step.
+`DecodeConnections` (prefill_conns.py) reads what arrives on the connections and hands first messages here.
+What the sender machine must hear comes back as events.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -20,43 +19,23 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from ..config import KVPushConfig
+from ..config import Limits, Liveness, Security
 from ..errors import LayoutError, TransportError, WireError
 from ..protocol import handshake
 from ..protocol.handshake import AuthMismatch, Session, check_peer_hello, hello_frame, open_hello
 from ..protocol.layout import KVLayout
-from ..protocol.prepared import PairUnits, pair_units
-from ..protocol.tp import check_peer_tp, owed_heads
+from ..protocol.tp import check_peer_tp
 from ..protocol.wire import PLAIN, Codec, ErrorCode, ErrorReply, Hello, Message, Ping
-from ..transport.base import PreparedList, Transport, listed_descriptors
-from .admission import Admission, Pending, SenderView
+from ..transport.base import Transport
+from .admission import Pending, SenderView
 from .conn_events import ConnEvent, PeerDropped
 from .control import ControlListener
+from .peers import DecodePeers, Identity
 from .stats import Count, Ledger
 
 log = logging.getLogger("kvpush")
 
 MAX_CONNECTIONS = 4096  # side-channel connections tracked; the oldest without a handshake go first
-
-Identity = tuple[str, int]  # (decode engine id, decode rank)
-
-
-@dataclass
-class Prepared:
-    """A pair's prepared lists: made once at handshake, indexed by every request to that decode rank."""
-
-    units: PairUnits
-    local: PreparedList
-    remote: PreparedList
-
-
-@dataclass
-class DecodePeer:
-    """A bound decode rank's NIXL agent, layout and prepared lists (per head range)."""
-
-    agent: str
-    layout: KVLayout
-    prepared: dict[tuple[int, int], Prepared | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,38 +60,32 @@ class DecodeConn:
 
 
 class DecodeBindings:
-    """Side-channel connections of one prefill rank, the decode ranks they bind, and those ranks' peers."""
+    """Side-channel connections of one prefill rank and the decode ranks they bind."""
 
     def __init__(
         self,
-        config: KVPushConfig,
         layout: KVLayout,
-        mem_type: str,
+        security: Security,
+        limits: Limits,
+        liveness: Liveness,
         codec: Codec,
         hello: Hello,
         transport: Transport,
         listener: ControlListener,
         ledger: Ledger,
+        peers: DecodePeers,
         sender: SenderView,
     ) -> None:
-        self.config, self.layout, self.mem_type, self.codec = config, layout, mem_type, codec
-        self.hello, self.transport, self.listener, self.ledger = hello, transport, listener, ledger
-        self.sender = sender
+        self.layout, self.security, self.limits, self.live = layout, security, limits, liveness
+        self.codec, self.hello, self.transport, self.listener = codec, hello, transport, listener
+        self.ledger, self.peers, self.sender = ledger, peers, sender
         self.conns: dict[bytes, DecodeConn] = {}
         self.bound: dict[Identity, bytes] = {}  # decode (engine, rank) -> the connection it is bound to
-        self.peers: dict[Identity, DecodePeer] = {}
-        self.admission = Admission(config.limits, sender, lambda: [c.pending for c in self.conns.values()])
-
-    def session(self, identity: Identity) -> Session | None:
-        """The live session of the connection that decode rank is bound to."""
-        conn = self.bound.get(identity)
-        c = self.conns.get(conn) if conn is not None else None
-        return None if c is None else c.session
 
     # ---- handshake and identity -----------------------------------------------------------------
-    def _on_first_message(self, conn: bytes, data: bytes | None, now: float) -> list[ConnEvent]:
+    def on_first_message(self, conn: bytes, data: bytes | None, now: float) -> list[ConnEvent]:
         """A connection without a session may only say Hello."""
-        key = self.config.security.hmac_key
+        key = self.security.hmac_key
         try:
             if data is None:
                 raise WireError("malformed frame (wrong number of parts or over the size limit)")
@@ -132,7 +105,7 @@ class DecodeBindings:
         return self._on_hello(conn, hello, now)
 
     def _on_hello(self, conn: bytes, hello: Hello, now: float) -> list[ConnEvent]:
-        allowed = self.config.security.allowed_decode_ids
+        allowed = self.security.allowed_decode_ids
         if allowed and hello.engine_id not in allowed:
             self.ledger.add(Count.REFUSED)
             log.warning(
@@ -146,18 +119,18 @@ class DecodeBindings:
             return []
         try:
             peer_layout = check_peer_hello(self.layout, hello, prefill_side=True)
-            check_peer_tp(peer_layout, self.config.limits.max_peer_tp)
+            check_peer_tp(peer_layout, self.limits.max_peer_tp)
         except LayoutError as exc:
             self.ledger.add(Count.REFUSED)
             log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), exc)
             self.refuse(conn, str(exc), ErrorCode.REFUSED)
             return []
         identity = (hello.engine_id, peer_layout.tp_rank)
-        if identity not in self.bound and len(self.bound) >= self.config.limits.max_identities:
+        if identity not in self.bound and len(self.bound) >= self.limits.max_identities:
             self.ledger.add(Count.REFUSED)
             why = (
                 f"this prefill rank has {len(self.bound)} decode identities bound "
-                f"(limits.max_identities {self.config.limits.max_identities}): try again later"
+                f"(limits.max_identities {self.limits.max_identities}): try again later"
             )
             log.warning("kvpush prefill: refused decode %s: %s", ascii(hello.engine_id), why)
             self.refuse(conn, why, ErrorCode.LIMIT)
@@ -165,7 +138,7 @@ class DecodeBindings:
         in_use, events = self._identity_in_use(conn, identity, now, hello.instance)
         if in_use:
             return events
-        key = self.config.security.hmac_key
+        key = self.security.hmac_key
         agent = "" if key is not None else self._add_agent(conn, hello)  # keyed: at PeerMemory
         if agent is None:
             return events
@@ -202,7 +175,7 @@ class DecodeBindings:
             return None
         return agent
 
-    def _confirm(self, c: DecodeConn, msg: Message, now: float) -> list[ConnEvent]:
+    def confirm(self, c: DecodeConn, msg: Message, now: float) -> list[ConnEvent]:
         """Keyed: the connection's first sealed message must be its decode's PeerMemory; with it the
         Hello is complete, rechecked, its NIXL agent added and the identity bound."""
         agent = None
@@ -253,7 +226,7 @@ class DecodeBindings:
         self.refuse(
             conn,
             f"decode {engine!r} rank {rank} is bound to a live connection; a new hello is accepted once "
-            f"that one is gone (silent for {self.config.liveness.peer_timeout_s}s, or its NIXL agent disconnected)",
+            f"that one is gone (silent for {self.live.peer_timeout_s}s, or its NIXL agent disconnected)",
             ErrorCode.IDENTITY_IN_USE,
         )
         return True, []
@@ -266,46 +239,18 @@ class DecodeBindings:
         if in_use:
             self.conns.pop(c.conn, None)
             return events
+        assert c.session is not None
         c.confirmed = True
         self.bound[c.identity] = c.conn
-        peer = self.peers[c.identity] = DecodePeer(c.agent, c.peer_layout)
-        owed = owed_heads(
-            self.layout.tp_rank, self.layout.tp_size, c.peer_layout.tp_size, self.layout.total_kv_heads
-        ).get(c.peer_layout.tp_rank)
-        if owed is not None:
-            self.prepared(peer, owed)  # at handshake: the first request only computes indices
+        self.peers.bind(c.identity, c.agent, c.peer_layout, c.session)  # prepared lists made here
         self.ledger.peers(len(self.bound))
         return events
-
-    def prepared(self, peer: DecodePeer, heads: tuple[int, int]) -> Prepared | None:
-        """Prepare (once) the local and remote descriptor lists of this pair; None: this pair posts
-        fresh descriptor lists (build_plan) instead, e.g. when its units overflow NIXL's int32 indices."""
-        if heads in peer.prepared:
-            return peer.prepared[heads]
-        prepared: Prepared | None = None
-        try:
-            units = pair_units(self.layout, peer.layout, heads)
-            local = self.transport.prepare(None, units.s.rows, self.mem_type)
-            remote = self.transport.prepare(peer.agent, units.d.rows, self.mem_type)
-            prepared = Prepared(units, local, remote)
-            strided = self.transport.strided_lists
-            self.ledger.add(Count.PREPARED_LISTS, 2)
-            self.ledger.add(
-                Count.PREPARED_DESCRIPTORS,
-                listed_descriptors(units.s.rows, strided) + listed_descriptors(units.d.rows, strided),
-            )
-        except (LayoutError, TransportError) as exc:
-            log.warning(
-                "kvpush prefill: no prepared lists for %s (%s); posting descriptor lists", peer.agent, exc
-            )
-        peer.prepared[heads] = prepared
-        return prepared
 
     # ---- liveness -------------------------------------------------------------------------------
     def _provably_gone(self, c: DecodeConn, now: float) -> bool:
         """A bound identity may move to a new connection only once the old one is gone: silent past
         peer_timeout_s, or its NIXL agent refuses a notification."""
-        if now - c.last_heard >= self.config.liveness.peer_timeout_s:
+        if now - c.last_heard >= self.live.peer_timeout_s:
             return True
         try:
             self.transport.send_notif(c.agent, b"")
@@ -319,6 +264,7 @@ class DecodeBindings:
         events: list[ConnEvent] = []
         if c.identity is not None and self.bound.get(c.identity) == c.conn:
             del self.bound[c.identity]
+            self.peers.unbind(c.identity)
             self.ledger.add(Count.PEERS_GONE)
             engine, rank = c.identity
             events.append(PeerDropped(tuple(c.pending.regs), f"decode {engine!r} rank {rank}: {reason}"))
@@ -333,30 +279,23 @@ class DecodeBindings:
                     self.conns.pop(old.conn, None)
 
     def liveness(self, now: float) -> list[ConnEvent]:
-        """Ping bound connections; drop silent ones; prune NIXL peers nothing uses any more."""
-        cfg = self.config
+        """Ping bound connections; drop silent ones; prune data-plane peers nothing uses any more."""
+        cfg = self.live
         events: list[ConnEvent] = []
         for c in list(self.conns.values()):
             if c.session is None:
                 continue
-            if now - c.last_ping >= cfg.liveness.ping_interval_s:
+            if now - c.last_ping >= cfg.ping_interval_s:
                 c.last_ping = now
                 self.send_sealed(c, Ping(clock=time.monotonic()))
-            if now - c.last_heard >= cfg.liveness.peer_timeout_s:
+            if now - c.last_heard >= cfg.peer_timeout_s:
                 log.warning(
                     "kvpush prefill: decode %s silent for %.1fs: dropped",
                     ascii(str(c.identity)),
                     now - c.last_heard,
                 )
                 events += self._drop(c, f"silent for {now - c.last_heard:.1f}s")
-        in_use = {c.agent for c in self.conns.values()}
-        for identity, peer in list(self.peers.items()):
-            if identity in self.bound or self.sender.writing_to(*identity):
-                continue
-            del self.peers[identity]
-            if peer.agent not in in_use:
-                with contextlib.suppress(TransportError):
-                    self.transport.remove_peer(peer.agent)
+        self.peers.prune(self.bound, self.sender.writing_to, {c.agent for c in self.conns.values()})
         return events
 
     # ---- sending --------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""The prefill's table of decode connections: the side channel, seen from the push thread.
+"""What arrives on the prefill's side channel, seen from the push thread.
 
-`DecodeConnections` adds to `DecodeBindings` (prefill_bindings.py: the Hello, session keys, identity
-binding, liveness, replies) what arrives on a connection: fair receive with per-connection backlogs, each
-frame opened through its connection's session, and the registrations and aborts a bound connection may
-send, checked against the identity it bound and the admission limits on pending registrations. It never
-touches the sender machine: what the machine must hear comes back as events (`Admitted`,
-`DecodeAborted`, `PeerDropped`), in the order the frames arrived.
+`DecodeConnections` reads the connections that `DecodeBindings` (prefill_bindings.py: the Hello, session
+keys, identity binding, liveness, replies) keeps: fair receive with per-connection backlogs, each frame
+opened through its connection's session (a connection without one goes to the bindings' handshake), and the
+registrations and aborts a bound connection may send, checked against the identity it bound, the peer's
+declared TP (peers.py) and the admission limits on pending registrations. It never touches the sender
+machine: what the machine must hear comes back as events (`Admitted`, `DecodeAborted`, `PeerDropped`), in
+the order the frames arrived.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import logging
 import time
 from collections.abc import Iterator
 
+from ..config import Limits
 from ..errors import WireError
 from ..protocol.handshake import Session
 from ..protocol.wire import Abort, ErrorCode, Message, Ping, Pong, Registration
+from .admission import Admission, SenderView
 from .conn_events import Admitted, ConnEvent, DecodeAborted
-from .prefill_bindings import DecodeBindings, DecodeConn, Identity
-from .stats import Count
+from .peers import DecodePeers, Identity
+from .prefill_bindings import DecodeBindings, DecodeConn
+from .stats import Count, Ledger
 
 log = logging.getLogger("kvpush")
 
@@ -36,31 +40,37 @@ def _or_none(events: list[ConnEvent]) -> list[ConnEvent | None]:
     return list(events) if events else [None]
 
 
-class DecodeConnections(DecodeBindings):
+class DecodeConnections:
     """What arrives on the side channel of one prefill rank, and what its decode connections may send."""
+
+    def __init__(
+        self, bindings: DecodeBindings, peers: DecodePeers, limits: Limits, ledger: Ledger, sender: SenderView
+    ) -> None:
+        self.bindings, self.peers, self.limits, self.ledger = bindings, peers, limits, ledger
+        self.admission = Admission(limits, sender, lambda: [c.pending for c in bindings.conns.values()])
 
     # ---- receive --------------------------------------------------------------------------------
     def receive(self, now: float) -> Iterator[ConnEvent | None]:
         """One round of side-channel messages, fair per connection: each gets at most its share a round
         (the rest wait in order in its backlog), and the round as a whole is capped. Yields what the
         sender machine must hear, as it happens (None: a message was handled, nothing to tell)."""
-        cap = self.config.limits.max_messages_per_peer_round
+        cap = self.limits.max_messages_per_peer_round
         counts: dict[bytes, int] = {}
-        for c in [c for c in self.conns.values() if c.backlog]:
+        for c in [c for c in self.bindings.conns.values() if c.backlog]:
             while c.backlog and counts.get(c.conn, 0) < cap:
                 counts[c.conn] = counts.get(c.conn, 0) + 1
                 yield from _or_none(self._on_side_message(c.conn, c.backlog.popleft(), now))
         for _ in range(MAX_MESSAGES_PER_ROUND):
-            got = self.listener.recv()
+            got = self.bindings.listener.recv()
             if got is None:
                 break
             conn, data = got
             counts[conn] = counts.get(conn, 0) + 1
-            known = self.conns.get(conn)
+            known = self.bindings.conns.get(conn)
             if known is not None and data is not None and (known.backlog or counts[conn] > cap):
                 if len(known.backlog) >= MAX_BACKLOG:
                     self.ledger.add(Count.REFUSED)
-                    self.refuse(
+                    self.bindings.refuse(
                         conn, "too many messages queued on this connection: slow down", ErrorCode.LIMIT
                     )
                 else:
@@ -73,16 +83,18 @@ class DecodeConnections(DecodeBindings):
         """One frame from one connection. Nothing a peer sends can raise out of here: bad frames are
         counted and answered; a Registration or Abort counts only on the connection whose Hello bound
         that (engine, rank), through that connection's session (authenticated, in order, no replays)."""
-        c = self.conns.get(conn)
+        c = self.bindings.conns.get(conn)
         if c is None or c.session is None:
-            return self._on_first_message(conn, data, now)
+            return self.bindings.on_first_message(conn, data, now)
         msg = self._open(data, c.identity, c.session)
         if msg is None:
-            self.refuse(conn, "message refused: could not decode or authenticate it (see prefill log)")
+            self.bindings.refuse(
+                conn, "message refused: could not decode or authenticate it (see prefill log)"
+            )
             return []
         c.last_heard = now
         if not c.confirmed:  # keyed: the first sealed message proves the key and carries the memory
-            return self._confirm(c, msg, now)
+            return self.bindings.confirm(c, msg, now)
         events: list[ConnEvent] = []
         if isinstance(msg, Registration):
             if self._admit_registration(c, msg):
@@ -90,7 +102,7 @@ class DecodeConnections(DecodeBindings):
         elif isinstance(msg, Abort):
             if (msg.decode_engine_id, msg.decode_rank) != c.identity:
                 self.ledger.add(Count.REFUSED)
-                self.refuse(
+                self.bindings.refuse(
                     conn,
                     f"abort for decode {msg.decode_engine_id!r} rank {msg.decode_rank} on the "
                     f"connection of {c.identity}",
@@ -101,10 +113,10 @@ class DecodeConnections(DecodeBindings):
             else:
                 events.append(DecodeAborted(msg))
         elif isinstance(msg, Ping):
-            self.send_sealed(c, Pong(clock=time.monotonic()))
+            self.bindings.send_sealed(c, Pong(clock=time.monotonic()))
         elif not isinstance(msg, Pong):  # last_heard is all a pong is for
             self.ledger.add(Count.WIRE_ERRORS)
-            self.refuse(conn, f"prefill does not accept {type(msg).__name__} messages here")
+            self.bindings.refuse(conn, f"prefill does not accept {type(msg).__name__} messages here")
         return events
 
     def _open(self, data: bytes | None, identity: Identity | None, session: Session) -> Message | None:
@@ -127,8 +139,9 @@ class DecodeConnections(DecodeBindings):
             why, code = why + f"the connection of {c.identity}", ErrorCode.NOT_ALLOWED
         elif peer is None:
             why = "no handshake for this decode rank: send hello first"
-            # not counted: no peer yet
-            self.refuse(c.conn, why, ErrorCode.HELLO_FIRST, msg.request_id, msg.attempt)
+            self.bindings.refuse(
+                c.conn, why, ErrorCode.HELLO_FIRST, msg.request_id, msg.attempt
+            )  # not counted: no peer yet
             return False
         elif msg.decode_tp != peer.layout.tp_size:
             why = f"registration says decode TP {msg.decode_tp}; the handshake said {peer.layout.tp_size}"
@@ -136,7 +149,7 @@ class DecodeConnections(DecodeBindings):
             why, code = self.admission.refusal(c.pending, msg), ErrorCode.LIMIT
         if why:
             self.ledger.add(Count.REFUSED)
-            self.refuse(c.conn, why, code, msg.request_id, msg.attempt)
+            self.bindings.refuse(c.conn, why, code, msg.request_id, msg.attempt)
             return False
         self.admission.record(c.pending, msg)
         return True

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import KVPushConfig
+from ..config import Posting
 from ..errors import LayoutError, PeerGone, TransportError
 from ..protocol.plan import TransferPlan
 from ..protocol.prepared import IndexPlan
@@ -88,9 +88,17 @@ class WriteScheduler:
     """Per-destination queues, the in-flight budget, posting-thread placement, progress and settlement."""
 
     def __init__(
-        self, config: KVPushConfig, transport: Transport, ledger: Ledger, wake: Callable[[], None]
+        self,
+        posting: Posting,
+        write_timeout_s: float,
+        poll_s: float,
+        transport: Transport,
+        ledger: Ledger,
+        wake: Callable[[], None],
     ) -> None:
-        self.config = config
+        """posting: the budget and posting threads; write_timeout_s: a WRITE not complete that long after
+        it was queued is given up (leases); poll_s: how often a posting thread polls (pacing.busy_poll_s)."""
+        self.posting, self.write_timeout_s = posting, write_timeout_s
         self.transport = transport
         self.ledger = ledger
         self.writes: list[_Write] = []  # in flight, in posting order
@@ -104,9 +112,9 @@ class WriteScheduler:
         self.worker_load: list[int] = []
         self.nudges: list[StartWrite] = []  # posted since the last take_nudges(): tell their decodes
         self._turn = 0  # which destination queue goes first in the next dispatch
-        if config.posting.workers:
-            self.pool = PostingPool(transport, config.posting.workers, wake, config.pacing.busy_poll_s)
-            self.worker_load = [0] * config.posting.workers
+        if posting.workers:
+            self.pool = PostingPool(transport, posting.workers, wake, poll_s)
+            self.worker_load = [0] * posting.workers
 
     def busy(self) -> bool:
         """A WRITE this thread posted needs polling (a posting thread rings the doorbell itself)."""
@@ -139,10 +147,10 @@ class WriteScheduler:
     # ---- dispatch -------------------------------------------------------------------------------
     def _fits(self, w: _Write) -> bool:
         """Within the in-flight budget (or nothing in flight: a WRITE over the budget still goes alone)."""
-        cfg = self.config
+        cfg = self.posting
         return not self.writes or (
-            self.inflight_bytes + w.plan.nbytes <= cfg.posting.max_inflight_bytes
-            and self.inflight_descs + w.plan.num_descriptors <= cfg.posting.max_inflight_descriptors
+            self.inflight_bytes + w.plan.nbytes <= cfg.max_inflight_bytes
+            and self.inflight_descs + w.plan.num_descriptors <= cfg.max_inflight_descriptors
         )
 
     def dispatch(self) -> tuple[list[Settled], bool]:
@@ -175,7 +183,7 @@ class WriteScheduler:
     def _post(self, w: _Write) -> Settled | None:
         """Put one WRITE in flight (here, or on a posting thread); None on success, else its failure."""
         now = time.monotonic()
-        if now - w.queued_at >= self.config.leases.write_timeout_s:
+        if now - w.queued_at >= self.write_timeout_s:
             discard(self.transport, w.spec)
             return w.settled(False, "WRITE not posted within write_timeout_s", now, kind=Failure.TIMEOUT)
         if self.pool is None:
@@ -194,7 +202,7 @@ class WriteScheduler:
                 worker = min(range(len(self.worker_load)), key=self.worker_load.__getitem__)
             self.dest_worker[w.dest] = worker
             w.worker = worker
-            w.job = PostJob(w.spec, w.queued_at + self.config.leases.write_timeout_s)
+            w.job = PostJob(w.spec, w.queued_at + self.write_timeout_s)
             self.pool_writes[w.job] = w
             self.worker_load[worker] += 1
             self.pool.submit(w.job, worker)
@@ -210,7 +218,7 @@ class WriteScheduler:
         self.ledger.add(Count.BLOCKS, w.plan.num_blocks)
         if isinstance(w.spec, MadeWrite):
             self.ledger.add(Count.ARMED)
-        if self.config.posting.nudge:
+        if self.posting.nudge:
             self.nudges.append(w.action)
         return None
 
@@ -248,7 +256,7 @@ class WriteScheduler:
                 kind = Failure.TIMEOUT if job.state == "skipped" else Failure.WRITE_FAILED
                 out.append(w.settled(job.state == "done", job.error, job.complete_at or now, kind=kind))
         for w in list(self.writes):
-            if now - w.queued_at >= self.config.leases.write_timeout_s:
+            if now - w.queued_at >= self.write_timeout_s:
                 out.append(self._abandon(w))  # checked before polling: an overdue WRITE is not advanced
                 continue
             if w.job is not None:
@@ -278,5 +286,5 @@ class WriteScheduler:
             with contextlib.suppress(TransportError):
                 self.transport.release(w.handle)
         self.ledger.add(Count.WRITE_TIMEOUTS)
-        reason = f"WRITE not complete after {self.config.leases.write_timeout_s}s: abandoned"
+        reason = f"WRITE not complete after {self.write_timeout_s}s: abandoned"
         return w.settled(False, reason, time.monotonic(), abandoned=True, kind=Failure.TIMEOUT)

@@ -35,6 +35,7 @@ class _Prepared:
 
     peer: str | None
     descs: Descs
+    released: bool = False
 
 
 @dataclass
@@ -78,6 +79,7 @@ class MemoryTransport:
         self.regions: list[Region] = []
         self.peers: set[str] = set()
         self.inbox: list[tuple[str, bytes]] = []
+        self.live_prepared = 0  # prepared lists made and not yet released (a leak shows here)
         self._tls = threading.local()
         hub.agents[name] = self
 
@@ -151,13 +153,17 @@ class MemoryTransport:
             self._alive(peer)
             if peer not in self.peers:
                 raise TransportError(f"{peer!r} is not a known peer of {self.name}")
-        return _Prepared(peer, expand_rows(rows))
+        got = _Prepared(peer, expand_rows(rows))
+        self.live_prepared += 1
+        return got
 
     def make_write(
         self, local: _Prepared, local_idx: Indices, remote: _Prepared, remote_idx: Indices, notif: bytes
     ) -> _Xfer:
         if local.peer is not None or remote.peer is None:
             raise TransportError("make_write takes a local and a remote prepared list")
+        if local.released or remote.released:
+            raise TransportError("make_write on a released prepared list")
         try:
             ldescs, rdescs = local.descs[local_idx], remote.descs[remote_idx]
         except IndexError as exc:
@@ -184,7 +190,11 @@ class MemoryTransport:
         return got
 
     def release_prepared(self, plist: _Prepared) -> None:
-        pass
+        """Like NIXL's release_dlist_handle: once per list; a second release is an error."""
+        if plist.released:
+            raise TransportError("prepared list released twice")
+        plist.released = True
+        self.live_prepared -= 1
 
     def poll(self, handle: _Xfer) -> XferState:
         if handle.state == "ERR" or (handle.state == "PROC" and handle.dst in self.hub.dead):

@@ -13,7 +13,7 @@ from kvpush.apps.demo.pattern import count_wrong_bytes, fill
 from kvpush.apps.demo.procs import Geometry, make_cache
 from kvpush.apps.ports import free_port_range as _free_port_range
 from kvpush.config import KVPushConfig
-from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, push_actions
+from kvpush.endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, write_maker
 from kvpush.endpoint.prefill import TIMELINE
 from kvpush.transport.base import listed_descriptors
 
@@ -47,6 +47,11 @@ def _wait(eps, n, timeout=30.0):
     return got
 
 
+def _prefill_done(ep: PrefillEndpoint, rid: str) -> bool:
+    req = ep._push.requests.get(rid)
+    return req is not None and req.prefill_done_at is not None
+
+
 @pytest.mark.parametrize(
     "p_bs, d_bs, p_tp, d_tp, order, block_major, expand",
     [
@@ -76,7 +81,7 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
     # per request (told apart by its token count): per plan with an early side, (source half used,
     # destination half used)
     early: dict[int, list[tuple[bool, bool]]] = {}
-    real_plan = push_actions.build_index_plan
+    real_plan = write_maker.build_index_plan
 
     def spy(pair, src, dst, n, layers=None, halves=(None, None)):
         plan = real_plan(pair, src, dst, n, layers, halves)
@@ -89,7 +94,7 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
         )
         return plan
 
-    monkeypatch.setattr(push_actions, "build_index_plan", spy)
+    monkeypatch.setattr(write_maker, "build_index_plan", spy)
     try:
         for ep in pe + de:
             ep.start()
@@ -121,7 +126,7 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
             else:
                 for ep in pe:
                     ep.prefill_done(rid, pb, n)
-                assert _until(lambda rid=rid: all(rid in ep._push.prefill_done_at for ep in pe)), rid
+                assert _until(lambda rid=rid: all(_prefill_done(ep, rid) for ep in pe)), rid
                 for ep in de:
                     ep.expect(rid, db, n, addr)
             got = _wait(de, 1)
@@ -147,15 +152,15 @@ def test_prepared_push_over_nixl(p_bs, d_bs, p_tp, d_tp, order, block_major, exp
                 assert all(u == (False, False) for u in r0), early
                 assert all(u[0] for u in r1) and all(u == (False, True) for u in r2), early
         for ep in pe:
-            assert not ep._push.src_half and not ep._push.dst_half  # dropped with the requests
+            assert not ep._push.requests  # dropped with the requests (their planned halves included)
         for ep in pe:  # the prepared path was taken (not the build_plan fallback)
-            peers = ep._push.conns.peers.values()
+            peers = ep._push.peers.values()
             assert peers and all(
                 p.prepared and all(v is not None for v in p.prepared.values()) for p in peers
             )
             assert ep.stats()["descriptors"] > 0
             # what the prepared lists hold: strided rows on NIXL >= 1.5, one descriptor per unit on 1.3.x
-            strided = ep._push.conns.transport.strided_lists
+            strided = ep._push.transport.strided_lists
             assert not (expand and strided)
             want = sum(
                 listed_descriptors(v.units.s.rows, strided) + listed_descriptors(v.units.d.rows, strided)

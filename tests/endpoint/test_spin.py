@@ -20,6 +20,12 @@ class Counting(TransferThread):
         super().__init__(config)
         self.rounds = 0
 
+    def setup(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
     def step(self, now: float) -> bool:
         self.rounds += 1
         return False

@@ -199,13 +199,12 @@ def test_an_aborted_stream_without_prefill_done_is_said_and_forgotten(caplog):
         with caplog.at_level("WARNING", logger="kvpush"):
             pe[0].abort("f", "client went away")
             assert _until(lambda: not pe[0].pending(), timeout=10.0)
-            assert _until(lambda: "f" not in push.timeline, timeout=2.0)
+            assert _until(lambda: "f" not in push.requests, timeout=2.0)
         said = [r.getMessage() for r in caplog.records if "'f'" in r.getMessage()]
         assert any("prefill_done" in m and "never" in m for m in said), said
         assert pe[0].stats()["no_prefill_done"] == 1
         assert pe[0].finished() == []  # no SendResult: the engine still owns the terminal call
-        held = (push.prefill_done_at, push.kv_written, push.src_half, push.dst_half, push.timeline)
-        assert not any("f" in m for m in held) and "f" not in push.staged
+        assert "f" not in push.requests  # its record: prefill_done time, barriers, staging, halves, marks
         assert not push.armed and not push.scheduler.writes
         pe[0].prefill_done("f", pb, n)  # late: the blocks still come back, failed
         sent = _wait(pe[0])
@@ -231,10 +230,7 @@ def test_a_registration_whose_prefill_never_comes_leaves_nothing_on_the_push_thr
             assert sorted(r.request_id for r in got) == ["lost0", "lost1", "lost2"]
             assert not any(r.ok for r in got)
             assert _until(lambda: not len(push.state), timeout=5.0)
-            assert _until(lambda: not push.dst_half and not push.timeline, timeout=2.0), (
-                push.dst_half,
-                push.timeline,
-            )
+            assert _until(lambda: not push.requests, timeout=2.0), push.requests
         assert not [r for r in caplog.records if "prefill_done never came" in r.getMessage()]
         assert pe[0].stats()["no_prefill_done"] == 0
     finally:
