@@ -49,17 +49,27 @@ class _PushMaps(Protocol):
     def scheduler(self) -> _Scheduler: ...
 
 
-class _ReceiveMaps(Protocol):
+class _ReceiveRequests(Protocol):
     @property
     def state(self) -> Sized: ...
     @property
-    def held(self) -> Sized: ...
+    def records(self) -> Sized: ...
     @property
-    def route(self) -> Sized: ...
+    def held(self) -> int: ...
     @property
-    def expected_at(self) -> Sized: ...
+    def announced(self) -> int: ...
+
+
+class _PrefillRank(Protocol):
     @property
-    def announced(self) -> Sized: ...
+    def backlog(self) -> Sized: ...
+    @property
+    def waiters(self) -> Sized: ...
+
+
+class _ReceiveConns(Protocol):
+    @property
+    def prefills(self) -> Mapping[Any, _PrefillRank]: ...
 
 
 def prefill_kept(t: _PushMaps) -> dict[str, int]:
@@ -81,12 +91,16 @@ def prefill_kept(t: _PushMaps) -> dict[str, int]:
     }
 
 
-def decode_kept(t: _ReceiveMaps) -> dict[str, int]:
-    """The receive thread's per-request state."""
+def decode_kept(requests: _ReceiveRequests, conns: _ReceiveConns) -> dict[str, int]:
+    """The receive thread's per-request state: the machine's live attempts, the one record per request
+    (where its KV comes from, when it was expected, held for a re-handshake, announced WRITEs) and the
+    messages and waiters that prefill ranks keep for requests until their handshake is answered."""
+    ranks = conns.prefills.values()
     return {
-        "requests": len(t.state),
-        "held_requests": len(t.held),
-        "route": len(t.route),
-        "expected_at": len(t.expected_at),
-        "announced": len(t.announced),
+        "requests": len(requests.state),
+        "records": len(requests.records),
+        "held_requests": requests.held,
+        "announced": requests.announced,
+        "backlog": sum(len(p.backlog) for p in ranks),
+        "connect_waiters": sum(len(p.waiters) for p in ranks),
     }
