@@ -159,20 +159,24 @@ class PrefillConnections:
 
     # ---- pruning --------------------------------------------------------------------------------
     def prunable(self, peer: PrefillPeer, used: Collection[AddressKey]) -> bool:
-        """Nothing needs it: no session (it never answered, or is being found again), nobody waits on
-        it, nothing waits to be sent to it, and no request names its address."""
-        return peer.session is None and not peer.waiters and not peer.backlog and peer.key not in used
+        """Nothing needs it: no session (it never answered, or is being found again), nobody waits on it
+        and no live request names its address (what its backlog still holds is then an Abort of a request
+        never expected here, or of one that ended: nothing a prefill holds for us)."""
+        return peer.session is None and not peer.waiters and peer.key not in used
 
     def prune(self, now: float, force: bool = False) -> int:
         """Drop unused ranks that never answered and were silent past peer_timeout_s (force: any unused
         rank without a session, to make room). Returns how many went."""
-        used = self.in_use()
-        gone = [
+        timeout = self.liveness.peer_timeout_s
+        candidates = [
             p
             for p in self.prefills.values()
-            if self.prunable(p, used)
-            and (force or (not p.instance and now - p.connected_at >= self.liveness.peer_timeout_s))
+            if p.session is None and (force or (not p.instance and now - p.connected_at >= timeout))
         ]
+        if not candidates:
+            return 0
+        used = self.in_use()  # a walk over the requests: only when some rank may go
+        gone = [p for p in candidates if self.prunable(p, used)]
         for peer in gone:
             self.drop(peer)
         return len(gone)
