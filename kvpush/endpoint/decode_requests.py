@@ -198,10 +198,17 @@ class DecodeRequests:
         self.report(result)
 
     def forget(self, request_id: str) -> None:
+        """The request left the machine: its record goes, and so do registrations of it still waiting
+        for a handshake (their expiry has passed or the request ended: none may go out any more)."""
         rec = self.records.pop(request_id, None)
-        if rec is not None:
-            self.announced -= len(rec.announced)
-            self.held -= rec.held is not None
+        if rec is None:
+            return
+        self.announced -= len(rec.announced)
+        self.held -= rec.held is not None
+        for rank in self.senders(rec.prefill):
+            peer = self.conns.get(rec.prefill, rank)
+            if peer is not None and peer.backlog:
+                peer.backlog = [m for m in peer.backlog if isinstance(m, Abort) or m.request_id != request_id]
 
     # ---- announcements (Posted) -----------------------------------------------------------------
     def announce(self, request_id: str, rank: int, until: float) -> None:

@@ -8,8 +8,10 @@ of a registration whose prefill never came was one). `Endpoint.kept_state()` rep
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sized
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any, Protocol
+
+from ..protocol.wire import Abort
 
 # What the counts read, as protocols: kept.py imports neither thread (no import circle), and a map renamed
 # in a thread fails mypy here rather than going uncounted.
@@ -62,7 +64,7 @@ class _ReceiveRequests(Protocol):
 
 class _PrefillRank(Protocol):
     @property
-    def backlog(self) -> Sized: ...
+    def backlog(self) -> Sequence[object]: ...
     @property
     def waiters(self) -> Sized: ...
 
@@ -101,6 +103,8 @@ def decode_kept(requests: _ReceiveRequests, conns: _ReceiveConns) -> dict[str, i
         "records": len(requests.records),
         "held_requests": requests.held,
         "announced": requests.announced,
-        "backlog": sum(len(p.backlog) for p in ranks),
+        # registrations waiting for a handshake (Aborts there are for requests that already ended, or
+        # cancelled ones: bounded per rank, sent at the answer or dropped with the rank)
+        "backlog_registrations": sum(1 for p in ranks for m in p.backlog if not isinstance(m, Abort)),
         "connect_waiters": sum(len(p.waiters) for p in ranks),
     }
