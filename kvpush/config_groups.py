@@ -311,6 +311,13 @@ class Limits(_Group, frozen=True):
         int,
         Meta(description="Largest TP size a peer's Hello may declare (its per-request work grows with it)."),
     ] = 256
+    max_prefill_peers: Annotated[
+        int,
+        Meta(
+            description="Decode: prefill ranks (engine id, address, rank) with a side-channel connection, "
+            "at most (each holds three ZeroMQ sockets); unused ones that never answered are pruned first."
+        ),
+    ] = 256
 
     def __post_init__(self) -> None:
         _positive(
@@ -322,6 +329,7 @@ class Limits(_Group, frozen=True):
             "max_pending_total",
             "max_identities",
             "max_peer_tp",
+            "max_prefill_peers",
         )
 
 

@@ -1,10 +1,11 @@
-"""The request side of the decode's receive thread: what the engine asks for (expect, abort, cancel,
-connect), the action pump that turns the receiver machine's actions into Registrations and Aborts sent to
-the prefill ranks, and the results reported back to the engine.
+"""The decode's requests: one record per request (where its KV comes from, when it was expected, whether it
+waits for a re-handshake, which ranks announced a WRITE), the receiver machine, and the action pump that
+turns the machine's actions into Registrations and Aborts for the prefill ranks and results for the engine.
 
-`DecodeRequests` is the base of `ReceiveThread` (decode.py), which adds the loop's step and what the
-prefill ranks say (notifications, side-channel replies, liveness); kept apart so that the path a request
-takes out, and the way its end is reported, read in one place.
+A request is held out of the machine while a prefill rank it needs is handshaken again (its connection
+closed, or it went silent): until the answer says which process is there, so a restart proven by the
+answer does not fail it along with the old process's requests (issue 16). Nothing of a held request has
+been registered, so it can fail at once, and whatever ends it hands its blocks straight back.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import msgspec
 
+from ..config_groups import Leases, Liveness
 from ..errors import TransportError, WireError
 from ..protocol.groups import BlockIds
+from ..protocol.layout import KVLayout
 from ..protocol.reasons import Failure
 from ..protocol.receiver import (
     Discarded,
@@ -31,40 +35,74 @@ from ..protocol.receiver import (
 )
 from ..protocol.tp import stage_senders
 from ..protocol.wire import Abort, Registration, TransferFailed
-from .base import EndpointThread, PrefillAddress, RecvResult
-from .decode_conns import MAX_BACKLOG, PrefillConnections, PrefillPeer
-from .held import Held, HeldRequests
-from .stats import Count
+from .base import PrefillAddress, RecvResult, TransferHooks
+from .decode_conns import MAX_BACKLOG, AddressKey, PrefillConnections, PrefillPeer, address_key
+from .stats import Count, Ledger
 
 log = logging.getLogger("kvpush")
 
 
-class DecodeRequests(EndpointThread[RecvResult]):
-    """Needs `conns` and `held` from the thread's setup (decode.py); builds the machine and the maps."""
+@dataclass(frozen=True)
+class Held:
+    """What a held request needs to enter the machine once its ranks answer."""
 
-    conns: PrefillConnections
-    held: HeldRequests  # new requests for a prefill rank being handshaken again
+    blocks: BlockIds
+    num_tokens: int
 
-    def init_role(self) -> None:
-        config, layout = self.config, self.layout
+
+@dataclass
+class RecvRequest:
+    """Everything the receive thread keeps for one request besides the machine's attempts."""
+
+    prefill: PrefillAddress  # where its KV comes from
+    expected_at: float  # when expect() reached the thread
+    held: Held | None = None  # set while it waits out a re-handshake, outside the machine
+    # prefill ranks that announced a WRITE (Posted) whose notification has not come: poll fast until then
+    announced: dict[int, float] = field(default_factory=dict)
+
+
+class DecodeRequests:
+    """The engine's requests on the receive thread; `report` hands a result to the engine."""
+
+    def __init__(
+        self,
+        engine_id: str,
+        layout: KVLayout,
+        leases: Leases,
+        liveness: Liveness,
+        conns: PrefillConnections,
+        ledger: Ledger,
+        hooks: TransferHooks | None,
+        report: Callable[[RecvResult], None],
+    ) -> None:
+        self.layout, self.conns, self.ledger, self.hooks, self.report = layout, conns, ledger, hooks, report
         self.state = ReceiverState(
-            config.engine_id,
+            engine_id,
             layout.tp_rank,
             layout.tp_size,
             layout.total_kv_heads,
-            config.leases.ready_timeout_s,
-            config.leases.write_bound_s,
-            gone_linger_s=config.leases.write_linger_s,
-            abort_resend_s=config.liveness.ping_interval_s,
+            leases.ready_timeout_s,
+            leases.write_bound_s,
+            gone_linger_s=leases.write_linger_s,
+            abort_resend_s=liveness.ping_interval_s,
         )
-        self.route: dict[str, PrefillAddress] = {}  # request -> its prefill engine
-        self.expected_at: dict[str, float] = {}  # request -> when expect() reached this thread
-        # requests a prefill rank announced (Posted) and whose notification has not come: poll fast until
-        # it does (or until the deadline, write_timeout_s on, after which the ticks' pace is enough)
-        self.announced: dict[tuple[str, int], float] = {}
+        self.records: dict[str, RecvRequest] = {}
+        self.held = 0  # records held for a re-handshake
+        self.announced = 0  # (request, rank) announcements waited for, over all records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def addresses(self) -> set[AddressKey]:
+        """The prefill addresses live requests name (their ranks are never pruned)."""
+        return {address_key(r.prefill) for r in self.records.values()}
+
+    def senders(self, prefill: PrefillAddress) -> dict[int, tuple[int, int]]:
+        lay = self.layout
+        return stage_senders(lay.tp_rank, lay.tp_size, prefill.tp_size, prefill.pp_size, lay.total_kv_heads)
 
     # ---- the action pump ----------------------------------------------------------------------
-    def _apply(self, actions: Iterable[ReceiverAction]) -> None:
+    def apply(self, actions: Iterable[ReceiverAction]) -> None:
         """Run actions and their follow-ups in order; executors return follow-ups, never re-enter."""
         pending = deque(actions)
         while pending:
@@ -72,30 +110,32 @@ class DecodeRequests(EndpointThread[RecvResult]):
             if isinstance(act, SendRegistration | SendAbort):
                 pending.extend(self._send(act))
             elif isinstance(act, Ready | Failed):
-                self._finish(act)
+                self.finish(act)
             elif isinstance(act, Discarded):
                 self.ledger.add(Count.DISCARDED)
                 log.debug("kvpush decode: %s", act.reason)
 
     def _send(self, act: SendRegistration | SendAbort) -> list[ReceiverAction]:
-        address = self.route.get(act.message.request_id)
-        if address is None:
+        rec = self.records.get(act.message.request_id)
+        if rec is None:
             return []
-        peer = self.conns.peer(address, act.prefill_rank, time.monotonic())
+        peer = self.conns.peer(rec.prefill, act.prefill_rank, time.monotonic())
+        if isinstance(peer, str):
+            return self.failed_send(act.message, act.prefill_rank, peer, Failure.REFUSED)
         repeat = isinstance(act, SendAbort) and act.repeat
         if peer.session is None:
             if peer.error:
-                return self._refused(peer, act.message)
+                return self.refused(peer, act.message)
             if repeat:
                 return []  # a resend: the next one goes out once the handshake is done
             if len(peer.backlog) >= MAX_BACKLOG:
                 why = "too many messages wait for its handshake"
-                return self._failed_send(act.message, act.prefill_rank, why, Failure.REFUSED)
+                return self.failed_send(act.message, act.prefill_rank, why, Failure.REFUSED)
             peer.backlog.append(act.message)
             return []
-        return self._send_now(peer, act.message, repeat)
+        return self.send_now(peer, act.message, repeat)
 
-    def _send_now(
+    def send_now(
         self, peer: PrefillPeer, msg: Registration | Abort, repeat: bool = False
     ) -> list[ReceiverAction]:
         assert peer.session is not None
@@ -110,19 +150,21 @@ class DecodeRequests(EndpointThread[RecvResult]):
         except (TransportError, WireError) as exc:
             if repeat:  # the first Abort went out; a failed repeat proves nothing about the WRITEs
                 return []
-            return self._failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
+            return self.failed_send(msg, peer.rank, f"side channel send failed: {exc}", Failure.PEER_GONE)
         return []
 
-    def _refused(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
+    def refused(self, peer: PrefillPeer, msg: Registration | Abort) -> list[ReceiverAction]:
         """The rank refused the pairing: nothing can be registered there, so the attempt fails now, by name."""
         if isinstance(msg, Abort):
             return []  # nothing was registered there to stop
-        return self._failed_send(msg, peer.rank, f"{peer.origin} refused: {peer.error}", Failure.REFUSED)
+        return self.failed_send(msg, peer.rank, f"{peer.origin} refused: {peer.error}", Failure.REFUSED)
 
-    def _failed_send(
+    def failed_send(
         self, msg: Registration | Abort, rank: int, reason: str, kind: Failure
     ) -> list[ReceiverAction]:
         """Nothing was sent, so nothing can be written from it: the attempt fails for this rank now."""
+        if isinstance(msg, Abort):
+            return []  # the rank may hold the registration: only its answer or the fence settles it
         return self.state.on_failed(
             TransferFailed(
                 request_id=msg.request_id,
@@ -135,77 +177,162 @@ class DecodeRequests(EndpointThread[RecvResult]):
             kind,
         )
 
-    def _finish(self, act: Ready | Failed) -> None:
+    def finish(self, act: Ready | Failed) -> None:
         now = time.monotonic()
-        if self.announced:
-            for key in [k for k in self.announced if k[0] == act.request_id]:
-                del self.announced[key]
-        expected_at = self.expected_at.get(act.request_id)
-        if not self.state.tracks(act.request_id):
-            self.route.pop(act.request_id, None)
-            self.expected_at.pop(act.request_id, None)
+        rid = act.request_id
+        rec = self.records.get(rid)
+        expected_at = None if rec is None else rec.expected_at
+        if rec is not None:
+            self.announced -= len(rec.announced)
+            rec.announced.clear()
+            if not self.state.tracks(rid):
+                self.forget(rid)
         if isinstance(act, Ready) and self.hooks is not None:
             try:
-                self.hooks.after_receive(act.request_id, act.block_ids)
+                self.hooks.after_receive(rid, act.block_ids)
             except Exception as exc:  # noqa: BLE001 - the request fails with the reason; the thread lives
                 why = f"staging into the cache failed: {exc!r}"
-                act = Failed(act.request_id, act.attempt, act.block_ids, why, Failure.WRITE_FAILED)
+                act = Failed(rid, act.attempt, act.block_ids, why, Failure.WRITE_FAILED)
             now = time.monotonic()
         if isinstance(act, Ready):
             self.ledger.add(Count.BYTES, act.nbytes)
-            result = RecvResult(act.request_id, True, act.block_ids, "", act.nbytes, now)
+            result = RecvResult(rid, True, act.block_ids, "", act.nbytes, now)
         else:
-            result = RecvResult(act.request_id, False, act.block_ids, act.reason, 0, now, act.kind)
+            result = RecvResult(rid, False, act.block_ids, act.reason, 0, now, act.kind)
         latency = None if expected_at is None else now - expected_at
         self.ledger.finished(result.ok, latency, result.failure)
-        self.put_result(result)
+        self.report(result)
 
-    def _fail_held(self, request_id: str, reason: str, kind: Failure = Failure.PEER_SILENT) -> None:
+    def forget(self, request_id: str) -> None:
+        """The request left the machine: its record goes, and so do registrations of it still waiting
+        for a handshake (their expiry has passed or the request ended: none may go out any more)."""
+        rec = self.records.pop(request_id, None)
+        if rec is None:
+            return
+        self.announced -= len(rec.announced)
+        self.held -= rec.held is not None
+        for rank in self.senders(rec.prefill):
+            peer = self.conns.get(rec.prefill, rank)
+            if peer is not None and peer.backlog:
+                peer.backlog = [m for m in peer.backlog if isinstance(m, Abort) or m.request_id != request_id]
+
+    # ---- announcements (Posted) -----------------------------------------------------------------
+    def announce(self, request_id: str, rank: int, until: float) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None and self.state.tracks(request_id):
+            self.announced += rank not in rec.announced
+            rec.announced[rank] = until
+
+    def landed(self, request_id: str, rank: int) -> None:
+        """That rank's notification came: no fast polling for it any more."""
+        rec = self.records.get(request_id)
+        if rec is not None and rec.announced.pop(rank, None) is not None:
+            self.announced -= 1
+
+    def expire_announced(self, now: float) -> None:
+        if not self.announced:
+            return
+        for rec in self.records.values():
+            for rank in [r for r, until in rec.announced.items() if until <= now]:
+                del rec.announced[rank]
+                self.announced -= 1
+
+    # ---- held for a re-handshake ----------------------------------------------------------------
+    def rehandshaking(self, prefill: PrefillAddress, now: float) -> PrefillPeer | None:
+        """A rank of `prefill` this rank needs that had a session and is being handshaken again (its
+        connection closed, or it went silent): the answer may come from a new process."""
+        for rank in self.senders(prefill):
+            peer = self.conns.get(prefill, rank)
+            if peer is None:
+                continue
+            self.conns.verify_closed(peer, now)
+            if peer.session is None and peer.instance:
+                return peer
+        return None
+
+    def fail_held(self, request_id: str, reason: str, kind: Failure = Failure.PEER_SILENT) -> None:
         """Nothing was registered for a held request, so nothing can be written: it fails at once."""
-        self._finish(Failed(request_id, 0, self.held.pop(request_id).blocks, reason, kind))
+        rec = self.records[request_id]
+        assert rec.held is not None
+        self.finish(Failed(request_id, 0, rec.held.blocks, reason, kind))
+        self.forget(request_id)
+
+    def held_ids(self) -> list[str]:
+        return [rid for rid, rec in self.records.items() if rec.held is not None] if self.held else []
+
+    def release_held(self, now: float) -> None:
+        """Held requests whose every rank has a session again go into the machine now."""
+        for rid in self.held_ids():
+            rec = self.records[rid]
+            if rec.held is not None and self.rehandshaking(rec.prefill, now) is None:
+                held, rec.held = rec.held, None
+                self.held -= 1
+                self.expect(rid, held.blocks, held.num_tokens, rec.prefill)
+
+    def waiting_for(self, peer: PrefillPeer, now: float) -> list[str]:
+        return [rid for rid in self.held_ids() if self.rehandshaking(self.records[rid].prefill, now) is peer]
 
     # ---- commands -----------------------------------------------------------------------------
-    def cmd_expect(self, request_id: str, blocks: BlockIds, num_tokens: int, prefill: PrefillAddress) -> None:
+    def expect(self, request_id: str, blocks: BlockIds, num_tokens: int, prefill: PrefillAddress) -> None:
         now = time.monotonic()
-        fresh = not self.state.tracks(request_id) and request_id not in self.held
-        if fresh and self.held.rehandshaking(prefill, now) is not None:
-            if not self.held.hold(request_id, Held(blocks, num_tokens, prefill)):
+        rec = self.records.get(request_id)
+        if rec is not None and rec.held is not None:
+            self.fail_held(request_id, "superseded by a newer expect()", Failure.SUPERSEDED)
+            rec = None
+        fresh = rec is None and not self.state.tracks(request_id)
+        if fresh and self.rehandshaking(prefill, now) is not None:
+            if self.held >= MAX_BACKLOG:
                 why = "too many requests wait for a prefill handshake"
-                self._finish(Failed(request_id, 0, blocks, why, Failure.REFUSED))
+                self.finish(Failed(request_id, 0, blocks, why, Failure.REFUSED))
+                return
+            self.records[request_id] = RecvRequest(prefill, now, Held(blocks, num_tokens))
+            self.held += 1
             return
-        self.route[request_id] = prefill
-        self.expected_at[request_id] = now
-        self._apply(self.state.expect(request_id, blocks, num_tokens, prefill.tp_size, now, prefill.pp_size))
+        if rec is None:
+            rec = self.records[request_id] = RecvRequest(prefill, now)
+        rec.prefill, rec.expected_at = prefill, now
+        tp, pp = prefill.tp_size, prefill.pp_size
+        self.apply(self.state.expect(request_id, blocks, num_tokens, tp, now, pp))
 
-    def cmd_abort(self, request_id: str, reason: str) -> None:
-        if request_id in self.held:
-            self._fail_held(request_id, reason, Failure.ABORTED)
+    def abort(self, request_id: str, reason: str) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None and rec.held is not None:
+            self.fail_held(request_id, reason, Failure.ABORTED)
             return
-        self._apply(self.state.abort(request_id, reason, time.monotonic()))
+        self.apply(self.state.abort(request_id, reason, time.monotonic()))
 
-    def cmd_cancel(self, request_id: str, prefill: PrefillAddress, reason: str) -> None:
-        if request_id in self.held:
-            self._fail_held(request_id, reason, Failure.ABORTED)
+    def cancel(self, request_id: str, prefill: PrefillAddress, reason: str) -> None:
+        rec = self.records.get(request_id)
+        if rec is not None and rec.held is not None:
+            self.fail_held(request_id, reason, Failure.ABORTED)
             return
-        self.route.setdefault(request_id, prefill)
-        self._apply(self.state.cancel(request_id, prefill.tp_size, reason, time.monotonic(), prefill.pp_size))
+        if rec is None:
+            rec = self.records[request_id] = RecvRequest(prefill, time.monotonic())
+        tp, pp = prefill.tp_size, prefill.pp_size
+        self.apply(self.state.cancel(request_id, tp, reason, time.monotonic(), pp))
         if not self.state.tracks(request_id):
-            self.route.pop(request_id, None)
-            self.expected_at.pop(request_id, None)
+            self.forget(request_id)
 
-    def cmd_connect(self, prefill: PrefillAddress, done: threading.Event) -> list[PrefillPeer]:
-        ranks = stage_senders(
-            self.layout.tp_rank,
-            self.layout.tp_size,
-            prefill.tp_size,
-            prefill.pp_size,
-            self.layout.total_kv_heads,
-        )
+    def connect(self, prefill: PrefillAddress, done: threading.Event) -> tuple[list[PrefillPeer], str]:
+        """The ranks of `prefill` this rank needs, their handshakes started; `done` is set once each has
+        answered. The second item names why a rank could not be added (the table is full)."""
         now = time.monotonic()
-        peers = [self.conns.peer(prefill, r, now) for r in ranks]
+        peers: list[PrefillPeer] = []
+        for rank in self.senders(prefill):
+            peer = self.conns.peer(prefill, rank, now)
+            if isinstance(peer, str):
+                done.set()
+                return peers, peer
+            peers.append(peer)
         pending = [p for p in peers if p.session is None and not p.error]
         if not pending:
             done.set()
         for p in pending:
             p.waiters.append(done)
-        return peers
+        return peers, ""
+
+    def unwait(self, peers: list[PrefillPeer], done: threading.Event) -> None:
+        """connect() gave up on `done`: the ranks no longer keep it (nor are kept for it)."""
+        for p in peers:
+            if done in p.waiters:
+                p.waiters.remove(done)

@@ -8,8 +8,10 @@ counts; at rest (nothing pending, leases run out) each is 0, which the tests and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sized
+from collections.abc import Mapping, Sequence, Sized
 from typing import Any, Protocol
+
+from ..protocol.wire import Abort
 
 # What the counts read, as protocols: kept.py imports neither thread (no import circle), and a map renamed
 # in a thread fails mypy here rather than going uncounted.
@@ -65,17 +67,27 @@ class _PushMaps(Protocol):
     def engine(self) -> _EngineSide: ...
 
 
-class _ReceiveMaps(Protocol):
+class _ReceiveRequests(Protocol):
     @property
     def state(self) -> Sized: ...
     @property
-    def held(self) -> Sized: ...
+    def records(self) -> Sized: ...
     @property
-    def route(self) -> Sized: ...
+    def held(self) -> int: ...
     @property
-    def expected_at(self) -> Sized: ...
+    def announced(self) -> int: ...
+
+
+class _PrefillRank(Protocol):
     @property
-    def announced(self) -> Sized: ...
+    def backlog(self) -> Sequence[object]: ...
+    @property
+    def waiters(self) -> Sized: ...
+
+
+class _ReceiveConns(Protocol):
+    @property
+    def prefills(self) -> Mapping[Any, _PrefillRank]: ...
 
 
 def prefill_kept(t: _PushMaps) -> dict[str, int]:
@@ -103,12 +115,18 @@ def prefill_kept(t: _PushMaps) -> dict[str, int]:
     }
 
 
-def decode_kept(t: _ReceiveMaps) -> dict[str, int]:
-    """The receive thread's per-request state."""
+def decode_kept(requests: _ReceiveRequests, conns: _ReceiveConns) -> dict[str, int]:
+    """The receive thread's per-request state: the machine's live attempts, the one record per request
+    (where its KV comes from, when it was expected, held for a re-handshake, announced WRITEs) and the
+    messages and waiters that prefill ranks keep for requests until their handshake is answered."""
+    ranks = conns.prefills.values()
     return {
-        "requests": len(t.state),
-        "held_requests": len(t.held),
-        "route": len(t.route),
-        "expected_at": len(t.expected_at),
-        "announced": len(t.announced),
+        "requests": len(requests.state),
+        "records": len(requests.records),
+        "held_requests": requests.held,
+        "announced": requests.announced,
+        # registrations waiting for a handshake (Aborts there are for requests that already ended, or
+        # cancelled ones: bounded per rank, sent at the answer or dropped with the rank)
+        "backlog_registrations": sum(1 for p in ranks for m in p.backlog if not isinstance(m, Abort)),
+        "connect_waiters": sum(len(p.waiters) for p in ranks),
     }

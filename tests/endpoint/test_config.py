@@ -66,6 +66,7 @@ def test_every_flat_key_of_before_is_still_accepted_and_lands_in_its_group():
     # spin_s (tests/endpoint/test_spin.py) and engine_post_max_bytes (tests/endpoint/test_engine_post.py)
     added = {"hmac_key_file", "advertise_host", "stream_min_tokens", "stream_min_bytes", "spin_s"}
     added.add("engine_post_max_bytes")
+    added.add("max_prefill_peers")  # tests/endpoint/test_prefill_table.py
     assert len(FLAT) + 1 == 33 and set(FLAT) | added == set(FLAT_KEYS)
     data = json.loads(json.dumps({"engine_id": "e1", **{k: v for k, (_, v) in FLAT.items()}}))
     config = KVPushConfig.from_mapping(data)
