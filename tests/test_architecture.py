@@ -352,6 +352,12 @@ def borrowed_attributes() -> dict[str, list[str]]:
         family = _family(c, classes)
         if any(k.is_record() for k in family):
             continue
+        if any(
+            _resolve(b, classes) is None and b.split(".")[-1] != "Generic"
+            for k in family
+            for b in k.base_names()
+        ):
+            continue  # a subclass of a library class may narrow the types of attributes that class sets
         declared = [
             s.target.id
             for s in c.node.body

@@ -300,7 +300,7 @@ class PrefillConnections:
         log.warning(
             "kvpush decode: unauthenticated refusal from %s (%s) ignored: %s",
             ascii(peer.origin),
-            ascii(refusal.code),
+            refusal.code.value,
             ascii(refusal.reason[:200]),
         )
         return Hint(refusal.code, refusal.reason)

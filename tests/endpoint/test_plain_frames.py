@@ -148,7 +148,7 @@ def test_what_a_plain_refusal_may_mean_keyed_and_not():
     assert conns.open(peer, named) is None
     assert isinstance(conns.open(peer, unnamed), ErrorReply)
     peer.session = Session(CODEC, KEY, b"d" * 16, b"p" * 16, "decode")
-    assert conns.open(peer, named) == Hint("refused", "no")  # with a session: a hint, never a message
+    assert conns.open(peer, named) == Hint(ErrorCode.REFUSED, "no")  # with a session: a hint, never a message
     assert isinstance(conns.open(peer, unnamed), Hint)
     # without a key the local host is trusted: a plain refusal is the message it says
     conns, peer = _conns(None)
