@@ -353,7 +353,7 @@ def borrowed_attributes() -> dict[str, list[str]]:
         if any(k.is_record() for k in family):
             continue
         if any(
-            _resolve(b, classes) is None and b.split(".")[-1] != "Generic"
+            _resolve(b, classes) is None and b.split(".")[-1] not in ("Generic", "ABC", "object")
             for k in family
             for b in k.base_names()
         ):
