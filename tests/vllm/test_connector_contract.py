@@ -212,3 +212,24 @@ def test_may_load_async_says_what_the_decode_will_load() -> None:
     req = request({"do_remote_prefill": True, **PREFILL_AT})
     decode._sched.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],)), 40)
     assert decode.may_load_async(req) is False
+
+
+def test_a_wheel_that_cannot_be_downloaded_fails_unless_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """CI must not pass by skipping the wheel checks: a failed download fails them; only KVPUSH_OFFLINE=1
+    (a machine without a package index, said so explicitly) turns that into a skip."""
+    import subprocess
+
+    from tests.vllm import vllm_wheels
+
+    monkeypatch.setattr(vllm_wheels, "CACHE", tmp_path)
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no index reachable")
+    )
+    monkeypatch.delenv(vllm_wheels.OFFLINE_ENV, raising=False)
+    with pytest.raises(pytest.fail.Exception, match="no index reachable"):
+        vllm_wheels.wheel("0.34.0")
+    monkeypatch.setenv(vllm_wheels.OFFLINE_ENV, "1")
+    with pytest.raises(pytest.skip.Exception, match="KVPUSH_OFFLINE=1"):
+        vllm_wheels.wheel("0.34.0")
