@@ -14,12 +14,19 @@
 #  5. `kvpush demo --stream --device cuda`: the layer-by-layer prefill on VRAM, each layer's compute a
 #     kernel delay (torch.cuda._sleep) followed by the layer's copy and a CUDA event (the range's
 #     kv_written barrier), streamed vs one-piece per request size up to 16k tokens, bytes verified.
+#  6. vLLM 0.34 (issue 41), run first when present: real `vllm serve` prefill and decode with kvpush on this
+#     one GPU (KV in VRAM, kv_buffer_device "cuda", behind kvpush's proxy) and one engine alone, the fast
+#     tiny model, greedy tokens compared, with the extensible KV cache on (--enable-extensible-kv-cache)
+#     and off (--no-enable-extensible-kv-cache); platforms/vllm/tools/gpu_pd_check.py, capped at
+#     VLLM034_S seconds (420). It needs a Python with vLLM 0.34 (VLLM034_PY, default $PY): without one it
+#     says so and skips (VLLM034_REQUIRED=1 makes that a failure). VLLM034_ONLY=1 runs only this step.
 # Without a GPU (no nvidia-smi, or it lists none) it says so and exits 0: nothing here can run.
 # Wheels for an offline machine can be carried in .whl/ (nixl, nixl-cu13, msgspec, pyzmq).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
   echo "gpu_check: no GPU on this machine (nvidia-smi missing or lists no GPU): nothing was run"
+  echo "gpu_check: no GPU: skipped (every step, the vLLM 0.34 step included)"
   exit 0
 fi
 PY=${PY:-python3}
@@ -46,6 +53,16 @@ status=0
 # each step is capped (STEP_S seconds, default 120; tests/gpu GPU_TESTS_S, 240) so the whole run fits one device call;
 # steps run in the order of what has never run on a GPU before, a step over its cap counts as a failure
 S=${STEP_S:-120}
+VPY=${VLLM034_PY:-$PY}
+if "$VPY" -c "import sys, vllm; sys.exit(0 if vllm.__version__.startswith('0.34.') else 1)" >/dev/null 2>&1; then
+  timeout "${VLLM034_S:-420}" "$VPY" -m kvpush.platforms.vllm.tools.gpu_pd_check --device cuda --extensible on --extensible off --out "$OUT/vllm034" 2>&1 | tee "$OUT/vllm034.log" || status=1
+else
+  echo "gpu_check: vLLM 0.34 step skipped: $VPY has no vLLM 0.34 (set VLLM034_PY to a Python with vllm==0.34.*)" | tee "$OUT/vllm034.log"
+  [ -z "${VLLM034_REQUIRED:-}" ] || status=1
+fi
+if [ -n "${VLLM034_ONLY:-}" ]; then
+  exit $status
+fi
 timeout ${GPU_TESTS_S:-240} "$PY" -m pytest -q -rs -p no:cacheprovider --import-mode=importlib --rootdir=/tmp --junitxml="$OUT/gpu_tests.xml" "$OLDPWD/tests/gpu" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 # streamed vs one-piece on VRAM, a per-layer kernel delay (0.15 us per token per layer: ~1.2 ms a layer
 # at 8k tokens, ~2.5 ms at 16k), fragmented and contiguous tables

@@ -6,10 +6,12 @@ A facade only: it reads vLLM's config once into ConnectorSettings and delegates 
   * worker side: prefill_worker.PrefillWorker (kv_producer) or decode_worker.DecodeWorker (kv_consumer)
 The flow of one request is described in the two scheduler and the two worker modules.
 
-One class for vLLM 0.29 through 0.33, by feature, not version: block ids come from the KV cache manager
+One class for vLLM 0.29 through 0.34, by feature, not version: block ids come from the KV cache manager
 where vLLM binds one (>= 0.32), else from the scheduler outputs (block_table.py); results go out through
 whichever method vLLM calls: get_transfer_results (>= 0.32: failed_recving) or get_finished, whose
 failures then reach vLLM as invalid blocks (get_block_ids_with_load_errors, the one channel before 0.32).
+The classmethods vLLM asks before any engine exists (kv_cache_access, supports_sleep_mode,
+requires_piecewise_for_cudagraph) answer from contract.py; a vLLM that lacks one never calls it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvpush.errors import ConfigError, LocalProtocolError
 
 from .block_table import manager_or_table
 from .cache_groups import CacheGroup, cache_groups, groups_block_size
+from .contract import SUPPORTS_SLEEP_MODE, KVCacheAccess, kv_cache_access, layer_hooks_carry_work
 from .decode_scheduler import DecodeScheduler
 from .decode_worker import DecodeWorker
 from .params import ConnectorSettings, KVTransferParams, required_kv_cache_layout, transfer_key
@@ -48,7 +51,7 @@ except ImportError:  # pragma: no cover - older vLLM
 
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -160,6 +163,13 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         """Every group: kvpush writes each group's blocks (vLLM zeroes the blocks of groups not named)."""
         return tuple(range(len(self.groups))) or (0,)
 
+    def may_load_async(self, request: Request) -> bool:
+        """vLLM >= 0.34 (with --max-num-inflight-kv-loads): whether the request may be allocated, and so
+        registered with its prefill, while the running batch is full. Only a decode loads; see
+        DecodeScheduler.may_load_async."""
+        sched = self._sched
+        return isinstance(sched, DecodeScheduler) and sched.may_load_async(request)
+
     def on_new_request(self, request: Request) -> None:
         if isinstance(self._sched, PrefillScheduler):
             self._sched.on_new_request(request)
@@ -174,6 +184,26 @@ class KVPushConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {}) if ktc is not None else {}
         return required_kv_cache_layout(extra, bool(current_platform.is_cpu()))
+
+    # ---- asked by vLLM's config process, before any engine exists (contract.py) --------------------
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> KVCacheAccess:
+        """vLLM >= 0.34: device memory registered with NIXL needs one physical allocation per segment
+        (REGISTERS) and exportable pages for CUDA IPC within a host (EXPORTS_FABRIC); host staging
+        (kv_buffer_device "cpu") only copies in process (IN_PROCESS)."""
+        return kv_cache_access(getattr(kv_transfer_config, "kv_buffer_device", None))
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM >= 0.33: False, so vLLM refuses --enable-sleep-mode: a slept decode's KV memory is freed
+        while its NIXL registrations, and the WRITEs prefills aim at them, live on."""
+        return SUPPORTS_SLEEP_MODE
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True with stream_layers > 0: full CUDA graph replay would skip save_kv_layer, and with it
+        every layer-group push."""
+        return layer_hooks_carry_work(extra_config)
 
     # ---- worker side -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

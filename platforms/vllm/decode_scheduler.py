@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvpush.endpoint import PrefillAddress
@@ -63,6 +64,24 @@ class DecodeScheduler(SchedulerBase):
             return 0, False
         n = pushed_tokens(int(request.num_prompt_tokens), self.backoff)
         return (n, True) if n > 0 else (0, False)
+
+    def may_load_async(self, request: Request) -> bool:
+        """Whether get_num_new_matched_tokens will answer load_kv_async=True for this request; vLLM >= 0.34
+        asks whenever it enters the waiting queues. With --max-num-inflight-kv-loads, a request answering
+        True may get its blocks (and kvpush registers them with its prefill, in that step's metadata) while
+        the running batch is full, so the push lands before a slot frees; the flag caps how many do. A
+        false positive holds back other loads, so this is the same test, quietly: a valid do_remote_prefill
+        and a prompt to push. Only a local prefix hit, which the allocation reveals, can still turn it
+        down (decode should run without prefix caching). A preempted request, whose do_remote_prefill
+        update_state_after_alloc cleared, answers False."""
+        raw = request.kv_transfer_params
+        if not isinstance(raw, Mapping) or not raw.get("do_remote_prefill"):
+            return False
+        try:
+            params = KVTransferParams.from_dict(raw)
+        except ValueError:  # refused (with a warning) in get_num_new_matched_tokens: no load
+            return False
+        return params.do_remote_prefill and pushed_tokens(int(request.num_prompt_tokens), self.backoff) > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
