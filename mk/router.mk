@@ -7,6 +7,7 @@ ROUTER_STAMP := $(VENV)/.router-v1
 ROUTER_TOOLS := 'vllm-router==0.1.17' 'pyyaml>=6'
 
 TEST_DEPS += router-tools
+TEST_VENVS += $(ROUTER_STAMP)
 
 .PHONY: router-tools
 

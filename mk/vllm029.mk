@@ -13,6 +13,7 @@ VLLM029_STAMP := $(VLLM029_VENV)/.installed-v1
 VLLM029_TESTS := tests/vllm
 
 TEST_DEPS += vllm029-test
+TEST_VENVS += $(VLLM029_STAMP)
 
 .PHONY: vllm029-venv vllm029-test vllm029-clean
 
