@@ -18,6 +18,10 @@ STRICT := kvpush backends
 # the fast lane: protocol + endpoints over the in-memory transport and control plane (no vLLM, no infra)
 FAST_TESTS := tests/protocol tests/endpoint tests/backends
 COVERAGE_FLOOR := 90
+# pip's options for every venv build here. --no-compile: byte-compiling every file of torch, vLLM and
+# their dependencies took two thirds of an install (torch's wheel alone: 155 s with, 53 s without, on this
+# loaded 2-core box); Python compiles what a test imports, once, on first import.
+PIP_INSTALL := pip install -q --no-compile
 FAST_VENV := .venv-fast
 FAST_BIN := $(FAST_VENV)/bin
 FAST_STAMP := $(FAST_VENV)/.installed-v1
@@ -32,9 +36,9 @@ venv: $(STAMP)
 # torch first, pinned in every later install: NIXL's nixl-cu12/cu13 need a torch, and an unpinned one
 # would pull the newest CUDA build. $(call torch_first,BIN): the CPU build where an index has it.
 define torch_first
-	$(1)/pip install -q --only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)+cpu" \
+	$(1)/$(PIP_INSTALL) --only-binary=:all: $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==$(TORCH_VERSION)+cpu" \
 	  || { echo "no CPU build of torch $(TORCH_VERSION) on the configured indexes: installing the default build"; \
-	       $(1)/pip install -q "torch==$(TORCH_VERSION)"; }
+	       $(1)/$(PIP_INSTALL) "torch==$(TORCH_VERSION)"; }
 	$(1)/python -W ignore -c "import torch; print('torch', torch.__version__, 'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build')"
 endef
 # the installed torch's exact version (with its +cpu), to pin it in the installs that follow
@@ -46,7 +50,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(call torch_first,$(BIN))
-	$(BIN)/pip install -q -e ".[$(EXTRAS)]" $(call torch_pin,$(BIN))
+	$(BIN)/$(PIP_INSTALL) -e ".[$(EXTRAS)]" $(call torch_pin,$(BIN))
 	-$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
@@ -56,7 +60,7 @@ $(FAST_STAMP): pyproject.toml
 	test -d $(FAST_VENV) || $(PY) -m venv $(FAST_VENV)
 	$(FAST_BIN)/pip install -q --upgrade pip
 	$(call torch_first,$(FAST_BIN))
-	$(FAST_BIN)/pip install -q -e ".[test,nixl]" $(call torch_pin,$(FAST_BIN))
+	$(FAST_BIN)/$(PIP_INSTALL) -e ".[test,nixl]" $(call torch_pin,$(FAST_BIN))
 	touch $(FAST_STAMP)
 
 # Every venv `make test` needs, built at once (.ci/run: `make -j3 test-venvs`, then `make test`): a pip

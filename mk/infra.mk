@@ -22,7 +22,7 @@ infra-tools: $(INFRA_STAMP)
 $(INFRA_STAMP): mk/infra.mk
 	test -d $(INFRA_VENV) || $(PY) -m venv $(INFRA_VENV)
 	$(INFRA_BIN)/pip install -q --upgrade pip
-	$(INFRA_BIN)/pip install -q $(INFRA_TOOLS)
+	$(INFRA_BIN)/$(PIP_INSTALL) $(INFRA_TOOLS)
 	CHECKPOINT_DISABLE=1 $(INFRA_BIN)/terraform version
 	$(INFRA_BIN)/shellcheck --version
 	$(INFRA_BIN)/checkov --version

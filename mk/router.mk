@@ -14,6 +14,6 @@ TEST_VENVS += $(ROUTER_STAMP)
 router-tools: $(ROUTER_STAMP)
 
 $(ROUTER_STAMP): mk/router.mk $(STAMP)
-	$(BIN)/pip install -q $(ROUTER_TOOLS)
+	$(BIN)/$(PIP_INSTALL) $(ROUTER_TOOLS)
 	$(BIN)/vllm-router --help > /dev/null
 	touch $(ROUTER_STAMP)
