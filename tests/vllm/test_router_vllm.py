@@ -1,12 +1,15 @@
 """Real vLLM (CPU) + real NIXL behind vLLM's own router (`vllm-router`, PyPI) instead of kvpush's proxy.
 
 One kvpush prefill and one decode (fast tiny model) behind `vllm-router --vllm-pd-disaggregation`
-(its default `nixl` mode), the session's single engine as the reference (tests/vllm/reference.py); then
-the same prefill fanned out to a second decode (1P2D) behind a second router, sharing the 1P1D engines
-(one more start-up; the idle reference stays up). Also: kvpush's figures on vLLM's own /metrics (the
-connector-stats hooks), and a mismatched pair that never reaches the router.
-Four engine start-ups of its own (P/D, the second decode, one refused decode; the reference too when
-this module runs alone).
+(its default `nixl` mode): the session's shared fast pair (tests/vllm/shared_engines.py, which
+test_kvpush_vllm.py uses through the kvpush proxy; conftest.py runs this module's tests on it right after
+those and checks that each test leaves it at rest), the session's single engine as the reference
+(tests/vllm/reference.py); then the same prefill fanned out to a second decode (1P2D) behind a second
+router, sharing the 1P1D engines (one more start-up; the idle reference stays up). Also: kvpush's figures
+on vLLM's own /metrics (the connector-stats hooks), and a mismatched pair that never reaches the router.
+Two engine start-ups of its own (the second decode, one refused decode; the shared pair and the
+reference too when this module runs alone). Counters are compared before and after each test: the
+shared pair has served other tests.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from kvpush.platforms.vllm.tools import client
-from kvpush.platforms.vllm.tools.serve_pd import add_decode, add_router, start_pd
+from kvpush.platforms.vllm.tools.serve_pd import Deployment, add_decode, add_router, start_pd
 from kvpush.platforms.vllm.tools.tiny_model import build
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -48,13 +51,17 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pd(model: str, logs: Path):
-    stats = logs / "stats"
-    extra = {"stats_dir": str(stats), "lease_s": 30.0, "ready_timeout_s": 40.0}
-    dep = start_pd("kvpush", model, logs, prefill_extra=extra, decode_extra=extra, router="vllm-router")
-    dep.stats_dir = stats  # type: ignore[attr-defined]
+def pd(model: str, logs: Path, fast_pair: Deployment):
+    """The session's shared fast pair (shared_engines.py: the same engines and settings this module once
+    started for itself, lease 30 s) behind a vllm-router of this module's own: a deployment of its own
+    whose url is the router's; what a test adds to it (a second decode, a router) is stopped here."""
+    prefill, decode = fast_pair.engines
+    dep = Deployment("kvpush", "", list(fast_pair.procs), list(fast_pair.engines))
+    dep.url = add_router(dep, logs, [prefill.url], [decode.url], "vllm-router")
+    dep.stats_dir = fast_pair.stats_dir  # type: ignore[attr-defined]
     yield dep
-    dep.stop()
+    for proc in reversed(dep.procs[len(fast_pair.procs) :]):
+        proc.stop()
 
 
 def _stats(dep, role: str) -> dict:
@@ -78,20 +85,32 @@ def test_router_outputs_equal_a_single_engine_every_request_pushed_legs_concurre
     prefill, decode = pd.engines
     prompts = client.make_prompts(10, LENGTHS, seed=5)
     want = client.complete_many(single.url, model, prompts, MAX_TOKENS, concurrency=4)
+    p0, d0 = _stats(pd, "prefill"), _stats(pd, "decode")  # the shared pair's counters so far
     # the first request per prefill is sequential (the router learns the prefill's identity from it)
     first = client.complete_many(pd.url, model, prompts[:1], MAX_TOKENS, concurrency=1)
     rest = client.complete_many(pd.url, model, prompts[1:], MAX_TOKENS, concurrency=4)
     for i, (w, g) in enumerate(zip(want, first + rest, strict=True)):
         assert len(w) == MAX_TOKENS and g == w, f"prompt {i}: router P/D {g} != single {w}"
     n = len(prompts)
-    assert _wait(lambda: _stats(pd, "decode")["recv_ok"] >= n and _stats(pd, "prefill")["sent_ok"] >= n)
+    assert _wait(
+        lambda: (
+            _stats(pd, "decode")["recv_ok"] - d0["recv_ok"] >= n
+            and _stats(pd, "prefill")["sent_ok"] - p0["sent_ok"] >= n
+        )
+    )
     p, d = _stats(pd, "prefill"), _stats(pd, "decode")
+
+    def more(now: dict, then: dict, *keys: str) -> int:
+        for key in keys[:-1]:
+            now, then = now.get(key, {}), then.get(key, {})
+        return int(now.get(keys[-1], 0)) - int(then.get(keys[-1], 0))
+
     # every request went through kvpush: handed off on the prefill, received on the decode, none failed
-    assert p["handoffs"] == n and p["sent_ok"] == n and p["sent_failed"] == 0
-    assert d["expects"] == n and d["recv_ok"] == n and d["recv_failed"] == 0
-    assert p["send_bytes"] == d["recv_bytes"] > 0
+    assert more(p, p0, "handoffs") == n and more(p, p0, "sent_ok") == n and more(p, p0, "sent_failed") == 0
+    assert more(d, d0, "expects") == n and more(d, d0, "recv_ok") == n and more(d, d0, "recv_failed") == 0
+    assert more(p, p0, "send_bytes") == more(d, d0, "recv_bytes") > 0
     # after the first request both legs run at once: the decode's registration often beats the prefill
-    assert p["order_counts"].get("registration_first", 0) >= 1, p["order_counts"]
+    assert more(p, p0, "order_counts", "registration_first") >= 1, (p["order_counts"], p0["order_counts"])
     assert _wait(lambda: _kv_usage(prefill.url) == 0.0 and _kv_usage(decode.url) == 0.0), (
         f"blocks still held: prefill {_kv_usage(prefill.url)}, decode {_kv_usage(decode.url)}"
     )
