@@ -420,3 +420,18 @@ def test_no_method_stands_in_for_a_siblings():
     assert not stand_in_methods(), (
         f"NotImplementedError stand-ins outside abstract classes: {stand_in_methods()}"
     )
+
+
+def test_at_most_twelve_functions_in_the_library_pass_complexity_12():
+    """ruff's C901 (max-complexity 12, pyproject.toml) holds kvpush/ and backends/; the functions still
+    over it carry `noqa: C901`, and there may be no more of them than there were when the rule came in
+    (12, all programs in kvpush/apps: 18 in kvpush/ before step 3, 5 of them in the sender machine)."""
+    marked = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for top in ("kvpush", "backends")
+        for p in sorted((ROOT / top).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "noqa: C901" in line
+    ]
+    assert len(marked) <= 12, f"functions exempt from the complexity limit: {marked}"
+    assert all(m.startswith("kvpush/apps/") for m in marked), marked

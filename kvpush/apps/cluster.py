@@ -191,7 +191,7 @@ def describe_types(session: Any, instance_types: Sequence[str]) -> dict[str, Typ
 # Pure logic: what is wrong with a set of nodes, and the env file. No AWS calls below this line.
 
 
-def check_nodes(nodes: Sequence[Node], facts: dict[str, TypeFacts]) -> list[str]:
+def check_nodes(nodes: Sequence[Node], facts: dict[str, TypeFacts]) -> list[str]:  # noqa: C901
     """The problems that would stop a P/D run or slow its KV transfer; empty when all is well."""
     problems: list[str] = []
     for role in ACCELERATED_ROLES:

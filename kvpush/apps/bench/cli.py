@@ -112,7 +112,7 @@ def result_name(mode: str, qps: float, in_len: int, out_len: int, it: int) -> st
     return f"{mode}_qps{_qtag(qps)}_in{in_len}_out{out_len}_iter{it}.json"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:  # noqa: C901
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     from rich.console import Console

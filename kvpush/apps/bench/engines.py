@@ -93,7 +93,7 @@ class _PrefillEngine:
 
         return PullPrefill(self)
 
-    def run(self) -> None:
+    def run(self) -> None:  # noqa: C901
         info = self.connector.start()
         self.outbox.put({"type": "ready", "role": "prefill", "mode": self.mode, **info})
         cm = self.cm
@@ -220,7 +220,7 @@ class _DecodeEngine:
         self.connector.on_alloc(r)
 
     # ---- main loop -----------------------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self) -> None:  # noqa: C901
         self.connector.start()
         self.outbox.put({"type": "ready", "role": "decode", "mode": self.mode})
         cm, bs = self.cm, self.layout.block_size

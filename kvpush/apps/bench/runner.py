@@ -88,7 +88,7 @@ class EnginePair:
             raise BenchError(f"{self.mode} {role} engine failed:\n{msg['trace']}")
         return msg
 
-    def run_point(
+    def run_point(  # noqa: C901
         self,
         qps: float,
         input_len: int,

@@ -276,7 +276,7 @@ def _references(peers: _Peers, r: _Req, ref: tuple[str, Any]) -> None:
     peers.expect_reply(peers.d, "scrubbed")
 
 
-def _drive(
+def _drive(  # noqa: C901
     peers: _Peers,
     reqs: list[_Req],
     address: tuple[Any, ...],

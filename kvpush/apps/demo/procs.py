@@ -289,7 +289,7 @@ def _logging() -> None:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(processName)s %(message)s")
 
 
-def prefill_main(
+def prefill_main(  # noqa: C901
     conn: Connection,
     geo: Geometry,
     port: int,
@@ -382,7 +382,7 @@ def prefill_main(
         _shut_down(conn, eps, raw)
 
 
-def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int, device: str) -> None:
+def decode_main(conn: Connection, geo: Geometry, seed: int, run: int, prefill_tp: int, device: str) -> None:  # noqa: C901
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     _logging()
     caches = [make_cache(geo.layout(r), device) for r in range(geo.tp_size)]

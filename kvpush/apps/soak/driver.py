@@ -92,7 +92,7 @@ class Soak:
                 self.pending_attacks.remove((at, kind))
                 self.attack(kind)
 
-    def _on_message(self, p: Proc, msg: tuple[Any, ...]) -> None:
+    def _on_message(self, p: Proc, msg: tuple[Any, ...]) -> None:  # noqa: C901
         kind = msg[0]
         if kind == "faults":
             self.faults.update(msg[1])
@@ -166,7 +166,7 @@ class Soak:
         self.kids.send(self.kids.decode, ("expect", r.rid, blocks, r.n, r.tag))
         return True
 
-    def inject(self, kind: str) -> bool:
+    def inject(self, kind: str) -> bool:  # noqa: C901
         """Inject one fault; False if it found nothing to act on (no live target, no free blocks)."""
         prefill, decode = self.kids.prefill, self.kids.decode
         assert prefill is not None and decode is not None

@@ -81,7 +81,7 @@ class _RankResults:
         return bad[0] if bad else (True, "", None)
 
 
-def prefill_main(
+def prefill_main(  # noqa: C901
     conn: Connection, geo: Geometry, port: int, rates: dict[str, float], seed: int, check: str
 ) -> None:
     """The prefill engine, one endpoint per TP rank (the same block ids on every rank, as vLLM's are):
@@ -153,7 +153,7 @@ def prefill_main(
             conn.send(("bye",))
 
 
-def decode_main(
+def decode_main(  # noqa: C901
     conn: Connection,
     geo: Geometry,
     prefill: tuple[str, int, int],
