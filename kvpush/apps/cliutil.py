@@ -59,3 +59,31 @@ def log_level(text: str) -> str:
 def alias(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs: object) -> None:
     """Keep an old flag name working (hidden from --help) after it was renamed to a new one for `dest`."""
     parser.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+
+def add_output_flags(parser: argparse.ArgumentParser, what: str, *old: str) -> None:
+    """`--json` and `--output PATH`, the same in every command: `--json` prints `what` as JSON on stdout
+    (instead of the text), `--output PATH` writes it to a file (beside the text). `old` spellings of
+    --output stay, shown in --help."""
+    parser.add_argument("--json", action="store_true", help=f"print {what} as JSON on stdout")
+    parser.add_argument(
+        "--output", *old, dest="output", metavar="PATH", default=None, help=f"write {what} as JSON to PATH"
+    )
+
+
+def emit_json(args: argparse.Namespace, data: object) -> bool:
+    """Write and print `data` as the flags from add_output_flags ask; True when stdout took the JSON (the
+    caller then prints no text there)."""
+    import json
+    import os
+
+    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    path = getattr(args, "output", None)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+    if getattr(args, "json", False):
+        print(text)
+        return True
+    return False

@@ -24,6 +24,7 @@ from typing import Any
 
 from .cluster_aws import ClusterError, aws_call, aws_pages, aws_session
 from .cluster_key import DEFAULT_KEY_FILE, SECRET_ENV, copy_key
+from .install_hint import install_command
 
 TAG_CLUSTER = "kvpush:cluster"
 TAG_ROLE = "kvpush:role"
@@ -380,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in ("boto3", "botocore"):
             raise
-        print("kvpush cluster: boto3 is not installed: pip install 'kvpush[cluster]'", file=sys.stderr)
+        print(f"kvpush cluster: boto3 is not installed: {install_command('cluster')}", file=sys.stderr)
         return 2
 
 

@@ -85,12 +85,12 @@ variable "kvpush_repo_url" {
 }
 
 variable "kvpush_ref" {
-  description = "Release tag (v0.1.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
+  description = "Release tag (v0.2.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
   type        = string
 
   validation {
     condition     = can(regex("^(v[0-9]+\\.[0-9]+\\.[0-9]+([-+][0-9A-Za-z.-]+)?|[0-9a-f]{40})$", var.kvpush_ref))
-    error_message = "The kvpush_ref must be a release tag such as \"v0.1.0\" or a full 40-character commit, not a branch."
+    error_message = "The kvpush_ref must be a release tag such as \"v0.2.0\" or a full 40-character commit, not a branch."
   }
 }
 

@@ -47,7 +47,7 @@ variables {
   subnet_id       = "subnet-0123456789abcdef0"
   client_cidrs    = ["203.0.113.10/32"]
   kvpush_repo_url = "https://github.com/your-org/kvpush.git"
-  kvpush_ref      = "v0.1.0"
+  kvpush_ref      = "v0.2.0"
 }
 
 run "p5en_interfaces_follow_network_cards" {
