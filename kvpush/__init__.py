@@ -4,6 +4,9 @@ The public surface. The protocol core (kvpush.protocol) is sans-IO and importabl
 NIXL; kvpush.endpoint wires it to one transfer thread per rank, a side channel and a transport.
 
     from kvpush import DecodeEndpoint, KVLayout, KVPushConfig, PrefillAddress, PrefillEndpoint
+
+MemoryHub/MemoryTransport (the data plane) and MemoryControl (the side channel) run both endpoints in one
+process with no NIXL and no sockets: the base install's first contact (README) and the tests' transport.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
         WireError,
     )
     from .protocol.layout import KVLayout, Plane, Region, packed_planes
+
+    # in-process stand-ins for NIXL and the side channel (tests, first contact; same contract)
+    from .endpoint.control import MemoryControl
+    from .transport.memory import MemoryHub, MemoryTransport
 
 # Resolved on first use, so that `import kvpush.protocol.sender` (or the proxy) does not pull in the
 # endpoints' ZeroMQ and NIXL layers.
@@ -60,6 +67,9 @@ _WHERE = {
         ".errors",
     ),
     **dict.fromkeys(("KVLayout", "Plane", "Region", "packed_planes"), ".protocol.layout"),
+    # in-process stand-ins for NIXL and the side channel (tests, first contact; same contract)
+    "MemoryControl": ".endpoint.control",
+    **dict.fromkeys(("MemoryHub", "MemoryTransport"), ".transport.memory"),
 }
 
 
@@ -85,6 +95,9 @@ __all__ = [
     "KVPushError",
     "LayoutError",
     "LocalProtocolError",
+    "MemoryControl",
+    "MemoryHub",
+    "MemoryTransport",
     "PeerGone",
     "PeerRefused",
     "Plane",
