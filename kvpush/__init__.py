@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .config import KVPushConfig
     from .endpoint import DecodeEndpoint, PrefillAddress, PrefillEndpoint, RecvResult, SendResult
+
+    # in-process stand-ins for NIXL and the side channel (tests, first contact; same contract)
+    from .endpoint.control import MemoryControl
     from .errors import (
         ConfigError,
         EndpointClosed,
@@ -34,9 +37,6 @@ if TYPE_CHECKING:
         WireError,
     )
     from .protocol.layout import KVLayout, Plane, Region, packed_planes
-
-    # in-process stand-ins for NIXL and the side channel (tests, first contact; same contract)
-    from .endpoint.control import MemoryControl
     from .transport.memory import MemoryHub, MemoryTransport
 
 # Resolved on first use, so that `import kvpush.protocol.sender` (or the proxy) does not pull in the

@@ -174,6 +174,10 @@ def _run(prog: str, module: Any, args: argparse.Namespace) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:  # a command's own usage error, `raise SystemExit("message")`: one line, exit 2
+        if isinstance(exc.code, str):
+            return _fail(prog, exc.code.removeprefix(f"{prog}: "))
+        raise
     except ModuleNotFoundError as exc:
         return _fail(prog, f"needs {exc.name}, which is not installed: {install_hint(exc.name or '')}")
     except KVPushError as exc:
