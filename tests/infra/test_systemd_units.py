@@ -70,6 +70,8 @@ def test_every_role_has_a_supervised_unit(p5en: dict[str, Any], tmp_path: Path) 
         assert "stat -c %%a /etc/kvpush/hmac.key" in unit  # mode 600: the service user's alone
         assert f"Environment=ROLE={role} MODE=push CONNECTOR=kvpush FOREGROUND=1" in unit
         assert re.search(r"^ExecStart=\S+/scripts/serve_pd\.sh$", unit, re.M), role
+        # the proxy reads the engines' addresses from cluster.env (`kvpush cluster env`)
+        assert ("ConditionPathExists=/etc/kvpush/cluster.env" in lines) == (role == "proxy"), role
 
 
 def test_systemd_analyze_verifies_the_rendered_units(p5en: dict[str, Any], tmp_path: Path) -> None:
