@@ -75,13 +75,13 @@ def add_output_flags(parser: argparse.ArgumentParser, what: str, *old: str) -> N
     )
 
 
-def emit_json(args: argparse.Namespace, data: object) -> bool:
+def emit_json(args: argparse.Namespace, data: object, sort_keys: bool = False) -> bool:
     """Write and print `data` as the flags from add_output_flags ask; True when stdout took the JSON (the
-    caller then prints no text there)."""
+    caller then prints no text there). Keys keep their order unless `sort_keys`."""
     import json
     import os
 
-    text = json.dumps(data, indent=2, sort_keys=True, default=str)
+    text = json.dumps(data, indent=2, sort_keys=sort_keys, default=str)
     out = getattr(args, "json_stdout", None) or sys.stdout
     path = getattr(args, "output", None)
     if path:

@@ -355,6 +355,6 @@ def _print_text(report: dict[str, Any], console: Console | None = None) -> None:
 def run(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """0 when kvpush can run here (warnings allowed), 1 when a blocking problem was found."""
     report = collect(probes)
-    if not emit_json(args, report):
+    if not emit_json(args, report, sort_keys=True):
         _print_text(report)
     return 0 if report["ok"] else 1
