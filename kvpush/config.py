@@ -115,7 +115,7 @@ class KVPushConfig(
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ConfigError(f"engine_id must be a non-empty string, got {self.engine_id!r}")
-        check_values(self)
+        check_values(self, GROUPS, _RENAMED, BACKENDS)
 
     def check_listen(self) -> None:
         """Before a prefill listens: an address decodes can reach is known, and beyond loopback

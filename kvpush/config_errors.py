@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -58,19 +59,19 @@ def _type_named(group: msgspec.Struct, prefix: str, renamed: dict[tuple[str, str
         pass  # a value error the group's own check reports; its type was fine
 
 
-def check_values(config: Any) -> None:
+def check_values(
+    config: Any, groups: Iterable[str], renamed: dict[tuple[str, str], str], backends: tuple[str, ...]
+) -> None:
     """Rules the groups do not hold themselves, checked when a KVPushConfig is built (not at start()):
     types, the metrics port's range and the NIXL backend names. Each error names the key."""
-    from .config import _RENAMED, BACKENDS, GROUPS
-
-    for name in GROUPS:
-        _type_named(getattr(config, name), name, _RENAMED)
+    for name in groups:
+        _type_named(getattr(config, name), name, renamed)
     port = config.metrics.port
     if port is not None and not 0 <= port <= 65535:
         raise ConfigError(f"`metrics_port` {port} is not a TCP port (0..65535, or null: off)")
-    unknown = [b for b in config.nixl.backends if b not in BACKENDS]
+    unknown = [b for b in config.nixl.backends if b not in backends]
     if unknown:
         raise ConfigError(
             f"`backends` names {unknown}, which kvpush does not create; "
-            f"choose from {list(BACKENDS)} (upper case, as NIXL names them)"
+            f"choose from {list(backends)} (upper case, as NIXL names them)"
         )
