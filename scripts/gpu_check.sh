@@ -66,15 +66,15 @@ fi
 timeout ${GPU_TESTS_S:-240} "$PY" -m pytest -q -rs -p no:cacheprovider --import-mode=importlib --rootdir=/tmp --junitxml="$OUT/gpu_tests.xml" "$OLDPWD/tests/gpu" 2>&1 | tee -a "$OUT/gpu_tests.log" || status=1
 # streamed vs one-piece on VRAM, a per-layer kernel delay (0.15 us per token per layer: ~1.2 ms a layer
 # at 8k tokens, ~2.5 ms at 16k), fragmented and contiguous tables
-timeout $S "$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 256,1024,4096,8192,16384 --stream-requests 6 --json "$OUT/demo_cuda_stream.json" 2>&1 | tee "$OUT/demo_cuda_stream.log" || status=1
-timeout $S "$PY" -m kvpush.cli demo --device cuda --json "$OUT/demo_cuda.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cuda.log" || status=1
+timeout $S "$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 256,1024,4096,8192,16384 --stream-requests 6 --output "$OUT/demo_cuda_stream.json" 2>&1 | tee "$OUT/demo_cuda_stream.log" || status=1
+timeout $S "$PY" -m kvpush.cli demo --device cuda --output "$OUT/demo_cuda.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cuda.log" || status=1
 # kvpush's own work per WRITE (small requests, host DRAM) on a machine with cores to spare
 timeout $S "$PY" "$OLDPWD/scripts/write_cost.py" --base none --rounds 3 --variant no_engine_post=--no-engine-post --variant post_4mib="--engine-post-max-bytes 4194304" --json "$OUT/write_cost.json" 2>&1 | tee "$OUT/write_cost.log" || status=1
 if [ -z "${QUICK:-}" ]; then
-  timeout $S "$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 1024,8192,16384 --stream-requests 6 --run-blocks 100000 --json "$OUT/demo_cuda_stream_contig.json" 2>&1 | tee "$OUT/demo_cuda_stream_contig.log" || status=1
-  timeout $S "$PY" -m kvpush.cli demo --device cpu --json "$OUT/demo_cpu.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cpu.log" || status=1
-  timeout $S "$PY" -m kvpush.cli demo --device cuda --requests 16 --run-blocks 100000 --json "$OUT/demo_cuda_contig.json" 2>&1 | tee "$OUT/demo_cuda_contig.log" || status=1
-  timeout $S "$PY" -m kvpush.cli demo --device cuda --requests 16 --min-tokens 16384 --max-tokens 16384 --run-blocks 100000 --json "$OUT/demo_cuda_16k_contig.json" 2>&1 | tee "$OUT/demo_cuda_16k_contig.log" || status=1
+  timeout $S "$PY" -m kvpush.cli demo --stream --device cuda --stream-sizes 1024,8192,16384 --stream-requests 6 --run-blocks 100000 --output "$OUT/demo_cuda_stream_contig.json" 2>&1 | tee "$OUT/demo_cuda_stream_contig.log" || status=1
+  timeout $S "$PY" -m kvpush.cli demo --device cpu --output "$OUT/demo_cpu.json" ${DEMO_ARGS:-} 2>&1 | tee "$OUT/demo_cpu.log" || status=1
+  timeout $S "$PY" -m kvpush.cli demo --device cuda --requests 16 --run-blocks 100000 --output "$OUT/demo_cuda_contig.json" 2>&1 | tee "$OUT/demo_cuda_contig.log" || status=1
+  timeout $S "$PY" -m kvpush.cli demo --device cuda --requests 16 --min-tokens 16384 --max-tokens 16384 --run-blocks 100000 --output "$OUT/demo_cuda_16k_contig.json" 2>&1 | tee "$OUT/demo_cuda_16k_contig.log" || status=1
   timeout $S "$PY" "$OLDPWD/scripts/gpu_gather.py" 32 16384 8 5 2>&1 | tee "$OUT/gpu_gather.json" || status=1
 fi
 exit $status

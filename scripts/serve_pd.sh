@@ -42,6 +42,8 @@
 #   KVPUSH_RUN_DIR (pid files, /tmp/kvpush-run)  LOG_DIR (logs, ~/kvpush-logs)
 #   HEALTH_TIMEOUT (1800 s)  HEALTH_POLL (5 s between /health probes)
 #   DRY_RUN=1: print the command that would run and exit.
+#   FOREGROUND=1: run the command in place of this script (exec: no pid file, no health wait, logs on
+#     stdout/stderr): what the systemd units the node set-up writes (kvpush-ROLE.service) run.
 set -euo pipefail
 
 usage() {
@@ -227,6 +229,10 @@ if [ "${DRY_RUN:-0}" = 1 ]; then
 fi
 if [ "$CONNECTOR" = kvpush ] && [ ! -r "$HMAC_KEY_FILE" ]; then
   die "no shared key at HMAC_KEY_FILE=$HMAC_KEY_FILE: create it once with \`(umask 077; openssl rand -base64 32 > $HMAC_KEY_FILE)\` and copy it to every node"
+fi
+
+if [ "${FOREGROUND:-0}" = 1 ]; then
+  exec "${CMD[@]}"
 fi
 
 mkdir -p "$RUN_DIR" "$LOG_DIR"

@@ -79,7 +79,7 @@ def run_demo(pythonpath: str | None, out: Path, extra: list[str]) -> dict[str, A
     env = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
     if pythonpath:  # the base tree; this checkout runs with the caller's own environment
         env["PYTHONPATH"] = pythonpath
-    cmd = [sys.executable, "-m", "kvpush.cli", "demo", *DEMO, *extra, "--json", str(out)]
+    cmd = [sys.executable, "-m", "kvpush.cli", "demo", *DEMO, *extra, "--output-json", str(out)]
     proc = subprocess.run(
         cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600
     )

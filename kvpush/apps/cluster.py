@@ -24,6 +24,7 @@ from typing import Any
 
 from .cluster_aws import ClusterError, aws_call, aws_pages, aws_session
 from .cluster_key import DEFAULT_KEY_FILE, SECRET_ENV, copy_key
+from .install_hint import install_command
 
 TAG_CLUSTER = "kvpush:cluster"
 TAG_ROLE = "kvpush:role"
@@ -288,25 +289,30 @@ def render_env(
 
 
 def format_table(nodes: Sequence[Node]) -> str:
-    rows = [("NAME", "ROLE", "INSTANCE", "TYPE", "STATE", "PRIVATE IP", "PUBLIC IP", "EFA")]
+    """The nodes as a rich table (plain columns, no box: it reads in a log and greps by column)."""
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("NAME", "ROLE", "INSTANCE", "TYPE", "STATE", "PRIVATE IP", "PUBLIC IP", "EFA"):
+        table.add_column(column, no_wrap=True)
     for n in nodes:
         efa = str(len(n.efa_interfaces)) if n.role in ACCELERATED_ROLES else "-"
-        rows.append(
-            (
-                n.name,
-                n.role,
-                n.instance_id,
-                n.instance_type,
-                n.state,
-                n.private_ip or "-",
-                n.public_ip or "-",
-                efa,
-            )
+        table.add_row(
+            n.name,
+            n.role,
+            n.instance_id,
+            n.instance_type,
+            n.state,
+            n.private_ip or "-",
+            n.public_ip or "-",
+            efa,
         )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows
-    )
+    out = io.StringIO()
+    Console(file=out, width=240, color_system=None, highlight=False).print(table)
+    return "\n".join(line.rstrip() for line in out.getvalue().rstrip("\n").splitlines())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -380,7 +386,7 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         if exc.name not in ("boto3", "botocore"):
             raise
-        print("kvpush cluster: boto3 is not installed: pip install 'kvpush[cluster]'", file=sys.stderr)
+        print(f"kvpush cluster: boto3 is not installed: {install_command('cluster')}", file=sys.stderr)
         return 2
 
 

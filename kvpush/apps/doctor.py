@@ -7,12 +7,16 @@ problem it finds. The JSON schema is in docs/doctor.md.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvpush.apps.cliutil import add_output_flags, emit_json
 from kvpush.apps.doctor_probes import (
     cuda_report,
     efa_report,
@@ -24,6 +28,8 @@ from kvpush.apps.doctor_probes import (
     ucx_report,
     versions,
 )
+from kvpush.apps.install_hint import install_command
+from kvpush.apps.versions import wire_text, wire_versions
 
 __all__ = ["DEVICES_PER_EFA", "NO_DEVICE_DIRECT", "Probes", "collect", "decide", "find_problems", "run"]
 
@@ -34,7 +40,7 @@ NO_DEVICE_DIRECT = {
 }
 # Neuron devices per EFA device on the sizes kvpush supports (Neuron device maps; trn1: 2 per EFA).
 DEVICES_PER_EFA = {"trn1.32xlarge": 2, "trn1n.32xlarge": 1, "trn2.48xlarge": 1}
-NIXL_SUPPORTED = ((1, 5), (2, 0))  # [low, high): the NIXL API kvpush is written and tested against
+NIXL_SUPPORTED = ((1, 5, 1), (1, 5, 2))  # [low, high): what the nixl extra pins (pyproject.toml)
 MEMLOCK_RDMA_MIN = 64 << 30  # below this, pinning a production KV cache for RDMA fails part-way
 BLOCKING, WARNING = "blocking", "warning"
 
@@ -145,7 +151,7 @@ def find_problems(report: dict[str, Any]) -> list[dict[str, str]]:
                 "nixl-missing",
                 BLOCKING,
                 "NIXL is not installed: kvpush has no transport between processes",
-                "pip install 'kvpush[nixl]' (install the torch build you want first: NIXL's wheels need one)",
+                f"{install_command('nixl')} (install the torch build you want first: NIXL's wheels need one)",
             )
         )
     else:
@@ -155,8 +161,8 @@ def find_problems(report: dict[str, Any]) -> list[dict[str, str]]:
                 "install the EFA software (aws-efa-installer) so libfabric with the efa provider is on the "
                 "loader path (/opt/amazon/efa/lib)"
                 if choice["transport"] == "LIBFABRIC"
-                else "reinstall NIXL (pip install --force-reinstall 'kvpush[nixl]'); unset NIXL_PLUGIN_DIR if "
-                "it points at another build"
+                else f"reinstall NIXL ({install_command('nixl')} --force-reinstall); unset NIXL_PLUGIN_DIR "
+                "if it points at another build"
             )
             found.append(
                 _problem(
@@ -168,13 +174,14 @@ def find_problems(report: dict[str, Any]) -> list[dict[str, str]]:
             )
         have = _version_tuple(nixl.get("version"))
         low, high = NIXL_SUPPORTED
-        if have and not (low <= have[:2] < high):
+        if have and not (low <= have[:3] < high):
             found.append(
                 _problem(
                     "nixl-version",
                     WARNING,
-                    f"NIXL {nixl.get('version')} is outside the range kvpush supports (>=1.5,<2)",
-                    "pip install 'nixl>=1.5,<2' (on a Neuron DLAMI see docs/backends.md before replacing its NIXL)",
+                    f"NIXL {nixl.get('version')} is not the version the nixl extra pins (>=1.5.1,<1.5.2; 1.3.2 "
+                    "is tested too, see docs/backends.md)",
+                    f"{install_command('nixl')} (on a Neuron DLAMI see docs/backends.md before replacing its NIXL)",
                 )
             )
     soft = report["memlock"].get("soft")
@@ -260,6 +267,7 @@ def collect(probes: Probes | None = None) -> dict[str, Any]:
     p = probes or Probes()
     from kvpush.protocol.wire import WIRE_VERSION
 
+    low, high = wire_versions()
     report: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
         "platform": {
@@ -268,6 +276,8 @@ def collect(probes: Probes | None = None) -> dict[str, Any]:
             "python": platform.python_version(),
         },
         "wire_version": WIRE_VERSION,
+        "wire_versions": [low, high],
+        "wire": wire_text(),
         "versions": p.versions(),
         "instance_type": p.instance_type(),
         "nixl": p.nixl(),
@@ -286,47 +296,65 @@ def collect(probes: Probes | None = None) -> dict[str, Any]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json", action="store_true", help="print the report as JSON (schema: docs/doctor.md)"
-    )
+    add_output_flags(parser, "the report (schema: docs/doctor.md)")
 
 
-def _print_text(report: dict[str, Any]) -> None:
+def _cell(value: Any) -> str:
+    """A probe's dict as `key value` pairs, not a raw dict."""
+    if isinstance(value, dict):
+        return "; ".join(f"{k} {_cell(v)}" for k, v in value.items() if v not in (None, [], {}, "")) or "-"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(v) for v in value) or "-"
+    return str(value)
+
+
+def _print_text(report: dict[str, Any], console: Console | None = None) -> None:
+    out = console or Console(highlight=False)
     c = report["choice"]
     ml = report["memlock"]["soft"]
-    print(f"platform      {report['platform']['system']} ({report['platform']['machine']})")
-    print(f"instance type {report['instance_type'] or 'unknown (IMDS not reachable)'}")
-    print("versions      " + ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v))
-    nixl = report["nixl"]
-    print(f"NIXL          {nixl.get('version')}; plugins: {', '.join(nixl.get('plugins', [])) or 'none'}")
+    nixl, ucx, efa = report["nixl"], report["ucx"], report["efa"]
+    table = Table(title="kvpush doctor", show_header=False, box=box.SIMPLE)
+    table.add_column("check", style="bold")
+    table.add_column("found", overflow="fold")
+    table.add_row("kvpush", f"{report['versions'].get('kvpush')} ({report['wire']})")
+    table.add_row("platform", f"{report['platform']['system']} ({report['platform']['machine']})")
+    table.add_row("instance type", report["instance_type"] or "unknown (IMDS not reachable)")
+    table.add_row("versions", ", ".join(f"{k} {v}" for k, v in report["versions"].items() if v))
+    table.add_row("NIXL", f"{nixl.get('version')}; plugins: {', '.join(nixl.get('plugins', [])) or 'none'}")
     for name, b in nixl["backends"].items():
-        print(f"  {name:<10}  " + (f"loads, memory {b['mem_types']}" if b["ok"] else f"no: {b['error']}"))
-    ucx = report["ucx"]
-    print(f"UCX           modules {', '.join(ucx['modules']) or '?'}; env {ucx['env'] or 'default'}")
-    if ucx.get("transports") is not None:
-        print(
-            f"  ucx_info    transports {', '.join(ucx['transports'])}; devices {', '.join(ucx['devices'] or [])}"
+        table.add_row(
+            f"  {name}", f"loads, memory {_cell(b['mem_types'])}" if b["ok"] else f"no: {b['error']}"
         )
-    print(f"memlock       {'unlimited' if ml is None else _gib(ml)}")
-    print(f"CUDA          {report['cuda']}")
-    print(f"GPUDirect     peer-memory modules: {', '.join(report['gpudirect']['peermem']) or 'none'}")
-    print(f"Neuron        {report['neuron']}")
-    rdma = ", ".join(f"{d['name']} ({d['driver'] or '?'})" for d in report["efa"].get("rdma", []))
-    print(
-        f"EFA           {report['efa']['devices']} devices; RDMA: {rdma or 'none'}; fi_info {report['efa']['fi_info']}"
+    table.add_row(
+        "UCX",
+        f"modules {', '.join(ucx['modules']) or '?'}; env {_cell(ucx['env']) if ucx['env'] else 'default'}",
     )
-    print(f"choice        {c['memory']} over {c['transport']}: {c['reason']}")
-    for pr in report["problems"]:
-        print(f"{pr['severity'].upper():<8}      {pr['what']}\n              fix: {pr['fix']}")
+    if ucx.get("transports") is not None:
+        table.add_row(
+            "  ucx_info", f"transports {_cell(ucx['transports'])}; devices {_cell(ucx['devices'] or [])}"
+        )
+    table.add_row("memlock", "unlimited" if ml is None else _gib(ml))
+    table.add_row("CUDA", _cell(report["cuda"]))
+    table.add_row("GPUDirect", f"peer-memory modules: {', '.join(report['gpudirect']['peermem']) or 'none'}")
+    table.add_row("Neuron", _cell(report["neuron"]))
+    rdma = ", ".join(f"{d['name']} ({d['driver'] or '?'})" for d in efa.get("rdma", []))
+    table.add_row("EFA", f"{efa['devices']} devices; RDMA: {rdma or 'none'}; fi_info {_cell(efa['fi_info'])}")
+    table.add_row("choice", f"{c['memory']} over {c['transport']}: {c['reason']}")
+    out.print(table)
+    if report["problems"]:
+        problems = Table(title="problems", box=box.SIMPLE)
+        for column in ("severity", "problem", "fix"):
+            problems.add_column(column, overflow="fold")
+        for pr in report["problems"]:
+            problems.add_row(pr["severity"].upper(), pr["what"], pr["fix"])
+        out.print(problems)
     blocking = sum(pr["severity"] == BLOCKING for pr in report["problems"])
-    print("result        " + ("ready" if report["ok"] else f"NOT READY: {blocking} blocking problem(s)"))
+    out.print("result        " + ("ready" if report["ok"] else f"NOT READY: {blocking} blocking problem(s)"))
 
 
 def run(args: argparse.Namespace, probes: Probes | None = None) -> int:
     """0 when kvpush can run here (warnings allowed), 1 when a blocking problem was found."""
     report = collect(probes)
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True))
-    else:
+    if not emit_json(args, report, sort_keys=True):
         _print_text(report)
     return 0 if report["ok"] else 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import random
 import re
 import time
@@ -23,6 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from rich import box
+from rich.console import Console
+from rich.table import Table
 
 from ..errors import LayoutError, WireError
 from ..protocol.groups import HOLE, check_group_tables
@@ -60,7 +62,8 @@ from ..protocol.wire import (
     envelope,
     hmac_tag,
 )
-from .cliutil import alias, positive_int
+from . import cliutil
+from .cliutil import add_output_flags, emit_json, positive_int
 
 _KEY = b"fuzzing-key-0123456789abcdef"
 _NONCE_D, _NONCE_P = b"d" * 16, b"p" * 16
@@ -297,7 +300,7 @@ def _kind_of(exc: WireError | LayoutError) -> str:
     return " ".join(text.split()[:8])
 
 
-def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
+def run_cases(cases: int, seed: int = 0, progress: Callable[[int], None] | None = None) -> dict[str, Any]:
     rng = random.Random(seed)
     codec = Codec()
     frames = seed_frames()
@@ -330,7 +333,9 @@ def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
     crashes: Counter[str] = Counter()
     examples: dict[str, str] = {}
     decoded = envelope_changed = fields_edited = deep = 0
-    for _ in range(cases):
+    for case in range(cases):
+        if progress is not None and case % 1024 == 0:
+            progress(case)
         if rng.random() < 0.3:  # wire v4's fields edited in a canonical map: past the codec, to the checks
             data = mutate_fields(rng.choice(grouped), rng)
             fields_edited += 1
@@ -366,17 +371,25 @@ def run_cases(cases: int, seed: int = 0) -> dict[str, Any]:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=positive_int, default=100_000, help="inputs to try")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-json", dest="json", metavar="PATH", help="also write the report as JSON")
-    alias(parser, "--json", "json", metavar="PATH")
+    add_output_flags(parser, "the report", "--output-json")
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    report = run_cases(args.cases, args.seed)
+    with cliutil.progress(args.cases, "fuzz cases") as update:
+        report = run_cases(args.cases, args.seed, update)
     report["seconds"] = round(time.monotonic() - t0, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text)
+    if not emit_json(args, report):
+        _print_text(report)
     return 1 if report["crashes"] else 0
+
+
+def _print_text(report: dict[str, Any]) -> None:
+    table = Table(title="kvpush fuzz", show_header=False, box=box.SIMPLE)
+    table.add_column("what", style="bold")
+    table.add_column("count", overflow="fold")
+    for key, value in report.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items()) or "-"
+        table.add_row(key, str(value))
+    Console(highlight=False).print(table)

@@ -1,4 +1,9 @@
-"""An in-process transport for tests: real memory copies between registered regions, plus faults.
+"""An in-process transport: real memory copies between registered regions, plus faults.
+
+The same contract as the NIXL transport (register, prepare, WRITE with a notification, poll), inside one
+process: for tests, and for a first contact on the base install, which has no NIXL (README's first
+example; exported as `kvpush.MemoryHub` / `kvpush.MemoryTransport`, with `kvpush.MemoryControl` for the
+side channel). Nothing leaves the process: endpoints that share a hub (and a MemoryControl) pair.
 
 Agents meet in a MemoryHub. A WRITE copies bytes with ctypes.memmove after checking that every
 descriptor lies inside memory the two agents registered, then queues the notification at the target.

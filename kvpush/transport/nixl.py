@@ -192,8 +192,9 @@ class NixlTransport:
             from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise TransportError(
-                f"NIXL is not importable ({exc}); install it with: pip install 'kvpush[nixl]' "
-                "(1.5.1 and 1.3.2 are tested)"
+                f"NIXL is not importable ({exc}); install kvpush's nixl extra: pip install -e '.[nixl]' "
+                "in a kvpush checkout (1.5.1 and 1.3.2 are tested; `kvpush doctor` names the command "
+                "for this install)"
             ) from exc
         chosen = selected_backends(backends, environ)
         params = backend_params or {}

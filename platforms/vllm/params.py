@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
-from kvpush.config import LOOPBACK, KVPushConfig
+from kvpush.config import DEFAULT_ENGINE_ID, LOOPBACK, KVPushConfig
 from kvpush.errors import ConfigError
 from kvpush.protocol.wire import hmac_tag, tags_equal
 
@@ -109,21 +110,7 @@ def transfer_key(internal_id: str, params: KVTransferParams) -> str:
     return f"{params.transfer_id}-{m.group(1)}" if m else params.transfer_id
 
 
-# kv_connector_extra_config keys that belong to the vLLM integration; everything else is KVPushConfig.
-_OWN_KEYS = (
-    "stats_dir",
-    "prefill_addresses",
-    "model_tag",
-    "connect_timeout_s",
-    "idle_wait_ms",
-    "stream",
-    "stream_layers",
-    "arm_writes",
-    "pairing_port",
-    "pairing_host",
-    "kv_cache_layout",
-)
-
+# kv_connector_extra_config keys that belong to the vLLM integration (ConnectorKeys); the rest is KVPushConfig.
 # The decode's pairing check (GET /kvpush/pairing?engine_id=&host=&port=...) makes it handshake with any
 # host:port it is given: with a shared key, a request must carry this header, an HMAC of its method and
 # target under a key derived from the shared one (a captured request can only repeat the same check).
@@ -169,15 +156,56 @@ def required_kv_cache_layout(extra: Mapping[str, Any], platform_is_cpu: bool) ->
 _IDLE_WAIT_MS = {"decode": 20.0, "prefill": 2.0}
 
 
-@dataclass(frozen=True)
-class PrefillAddressSpec:
-    """One entry of extra config "prefill_addresses": a prefill the decode handshakes with at start-up."""
+class PrefillAddressSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One entry of extra config "prefill_addresses": a prefill the decode handshakes with at start-up.
+    Checked when read (msgspec): an unknown key, a port outside 1..65535 or a TP size below 1 is refused
+    with its place (`prefill_addresses[0].port`)."""
 
-    engine_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    tp_size: int = 1
-    pp_size: int = 1
+    engine_id: Annotated[str, Meta(min_length=1)]
+    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    tp_size: Annotated[int, Meta(ge=1)] = 1
+    pp_size: Annotated[int, Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        if self.port == 0:
+            raise ValueError("port is required: the prefill's side-channel port (1..65535)")
+        check_pp_size(self.pp_size, "pp_size")
+
+
+class ConnectorKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The connector's own keys in kv_connector_extra_config, typed and checked the way KVPushConfig
+    checks its keys (msgspec): a wrong type or value fails naming the key, an unknown key is refused (it
+    would be taken for a KVPushConfig key and refused there). JSON null means "not set"."""
+
+    stats_dir: str = ""
+    prefill_addresses: tuple[PrefillAddressSpec, ...] = ()
+    model_tag: str = ""
+    connect_timeout_s: Annotated[float, Meta(gt=0)] = 120.0
+    idle_wait_ms: Annotated[float, Meta(ge=0)] | None = None
+    stream: bool = False
+    stream_layers: Annotated[int, Meta(ge=0)] = 0
+    arm_writes: bool = True
+    pairing_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    pairing_host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"
+    kv_cache_layout: str = "auto"
+
+    @classmethod
+    def read(cls, own: Mapping[str, Any]) -> ConnectorKeys:
+        present = {k: v for k, v in own.items() if v is not None}
+        try:  # strict: JSON gives typed values; "4" for a layer count is a mistake, not a number
+            return msgspec.convert(present, cls, strict=True)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            m = _AT.search(text)
+            where = f"`{m.group(1)}`: " if m else ""
+            raise ConfigError(
+                f"KVPushConnector: invalid kv_connector_extra_config: {where}{text[: m.start()] if m else text}"
+            ) from None
+
+
+_OWN_KEYS = tuple(f.name for f in msgspec.structs.fields(ConnectorKeys))
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
 
 @dataclass(frozen=True)
@@ -216,48 +244,28 @@ class ConnectorSettings:
     def from_extra(
         cls, role: str, engine_id: str, extra: Mapping[str, Any], block_size: int, tp_size: int, pp_size: int
     ) -> ConnectorSettings:
-        own = {k: extra[k] for k in _OWN_KEYS if k in extra}
+        own = ConnectorKeys.read({k: extra[k] for k in _OWN_KEYS if k in extra})
         core = {k: v for k, v in extra.items() if k not in _OWN_KEYS}
         core.setdefault("engine_id", engine_id)
         if isinstance(core.get("backends"), list):
             core["backends"] = tuple(core["backends"])
         config = KVPushConfig.from_mapping(core)
-        idle_wait_ms = float(own.get("idle_wait_ms", _IDLE_WAIT_MS[role]))
-        if idle_wait_ms < 0:
-            raise ConfigError(f"KVPushConnector: idle_wait_ms must be >= 0, got {idle_wait_ms:g}")
-        pairing_port = int(own.get("pairing_port") or 0)
-        if not 0 <= pairing_port < 65536:
-            raise ConfigError(f"KVPushConnector: pairing_port must be a TCP port, got {pairing_port}")
-        pairing_host = str(own.get("pairing_host") or "127.0.0.1")
-        if pairing_port and pairing_host not in LOOPBACK and config.security.hmac_key is None:
+        idle_wait_ms = _IDLE_WAIT_MS[role] if own.idle_wait_ms is None else own.idle_wait_ms
+        if own.pairing_port and own.pairing_host not in LOOPBACK and config.security.hmac_key is None:
             raise ConfigError(
-                f"KVPushConnector: pairing_host {pairing_host!r} is beyond loopback and no shared key is "
+                f"KVPushConnector: pairing_host {own.pairing_host!r} is beyond loopback and no shared key is "
                 "set: the pairing check makes this decode handshake with any address it is given, so it "
                 "needs hmac_key_file (or $KVPUSH_HMAC_KEY) to authenticate its callers"
             )
-        addresses: list[PrefillAddressSpec] = []
-        for i, entry in enumerate(own.get("prefill_addresses") or ()):
-            if not isinstance(entry, Mapping) or "engine_id" not in entry or "port" not in entry:
-                raise ConfigError(
-                    f"KVPushConnector: prefill_addresses[{i}] must be an object with engine_id and port "
-                    f"(and optionally host, tp_size, pp_size), got {entry!r}"
-                )
-            try:
-                check_pp_size(int(entry.get("pp_size", 1)), f"KVPushConnector: prefill_addresses[{i}]")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
-            addresses.append(
-                PrefillAddressSpec(
-                    str(entry["engine_id"]),
-                    str(entry.get("host", "127.0.0.1")),
-                    int(entry["port"]),
-                    int(entry.get("tp_size", 1)),
-                )
-            )
-        stream_layers = own.get("stream_layers", 0)
-        if isinstance(stream_layers, bool) or not isinstance(stream_layers, int) or stream_layers < 0:
+        if (
+            role == "decode"
+            and config.engine_id == DEFAULT_ENGINE_ID
+            and (own.pairing_port or any(a.host not in LOOPBACK for a in own.prefill_addresses))
+        ):
             raise ConfigError(
-                f"KVPushConnector: stream_layers must be a whole number of layers >= 0, got {stream_layers!r}"
+                f"KVPushConnector: engine_id is the default {DEFAULT_ENGINE_ID!r}: a decode that pairs (pairing_port) "
+                "or reaches prefills beyond loopback needs its own engine_id (a prefill binds each decode by "
+                "it; two decodes with the default would collide)"
             )
         return cls(
             role=role,
@@ -265,23 +273,14 @@ class ConnectorSettings:
             block_size=block_size,
             tp_size=tp_size,
             pp_size=pp_size,
-            stats_dir=str(own.get("stats_dir") or ""),
-            prefill_addresses=tuple(addresses),
-            model_tag=str(own.get("model_tag") or ""),
-            connect_timeout_s=float(own.get("connect_timeout_s", 120.0)),
+            stats_dir=own.stats_dir,
+            prefill_addresses=own.prefill_addresses,
+            model_tag=own.model_tag,
+            connect_timeout_s=own.connect_timeout_s,
             idle_wait_s=idle_wait_ms / 1000.0,
-            pairing_port=pairing_port,
-            pairing_host=pairing_host,
-            stream=_flag(own.get("stream", False), "stream") or stream_layers > 0,
-            stream_layers=stream_layers,
-            arm_writes=_flag(own.get("arm_writes", True), "arm_writes"),
+            pairing_port=own.pairing_port,
+            pairing_host=own.pairing_host,
+            stream=own.stream or own.stream_layers > 0,
+            stream_layers=own.stream_layers,
+            arm_writes=own.arm_writes,
         )
-
-
-def _flag(value: Any, name: str) -> bool:
-    """A JSON boolean (or its usual spellings) from kv_connector_extra_config."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise ConfigError(f"KVPushConnector: {name} must be true or false, got {value!r}")

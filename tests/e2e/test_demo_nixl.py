@@ -19,7 +19,7 @@ ENV = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
 def run_demo(tmp_path, *args: str) -> dict:
     out = tmp_path / "demo.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpush.cli", "demo", "--json", str(out), *args],
+        [sys.executable, "-m", "kvpush.cli", "demo", "--output", str(out), *args],
         env=ENV,
         capture_output=True,
         text=True,

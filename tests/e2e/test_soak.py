@@ -24,7 +24,7 @@ ENV = dict(os.environ, UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="ERROR")
 def soak(tmp_path, *args: str, timeout: float = 240) -> tuple[int, dict]:
     out = tmp_path / "soak.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvpush.cli", "soak", "--json", str(out), *args],
+        [sys.executable, "-m", "kvpush.cli", "soak", "--output", str(out), *args],
         env=ENV,
         capture_output=True,
         text=True,

@@ -234,8 +234,8 @@ def test_groups_check_themselves_when_built_in_code():
 def test_listening_beyond_loopback_needs_a_key_unless_switched_off():
     with pytest.raises(ConfigError, match="beyond loopback"):
         KVPushConfig.from_mapping({"host": "10.0.0.5"}).check_listen()
-    KVPushConfig.from_mapping({"host": "10.0.0.5", "require_auth": False}).check_listen()
-    KVPushConfig.from_mapping({"host": "10.0.0.5", "hmac_key": KEY}).check_listen()
+    KVPushConfig.from_mapping({"engine_id": "p0", "host": "10.0.0.5", "require_auth": False}).check_listen()
+    KVPushConfig.from_mapping({"engine_id": "p0", "host": "10.0.0.5", "hmac_key": KEY}).check_listen()
     assert not KVPushConfig().auth_required and KVPushConfig().replace(host="::1").auth_required is False
 
 

@@ -154,7 +154,7 @@ def test_keys_one_sided_short_or_missing_beyond_loopback_are_refused_with_a_reas
         KVPushConfig.from_mapping(dict(hmac_key=b"short"))
     with pytest.raises(ConfigError, match="beyond loopback"):
         KVPushConfig.from_mapping(dict(host="10.0.0.5")).check_listen()
-    KVPushConfig.from_mapping(dict(host="10.0.0.5", require_auth=False)).check_listen()
+    KVPushConfig.from_mapping(dict(engine_id="p0", host="10.0.0.5", require_auth=False)).check_listen()
     hub = MemoryHub()
     src, dst = caches()
     p = start_prefill(hub, src, hmac_key=b"k" * 32)

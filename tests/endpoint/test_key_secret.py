@@ -31,7 +31,9 @@ def key_file(tmp_path: Path, text: str = B64 + "\n", mode: int = 0o600, name: st
 
 
 def test_key_from_a_file_is_loaded_and_replace_keeps_it(tmp_path: Path) -> None:
-    cfg = KVPushConfig.from_mapping({"host": "10.0.0.5", "hmac_key_file": key_file(tmp_path)})
+    cfg = KVPushConfig.from_mapping(
+        {"engine_id": "p0", "host": "10.0.0.5", "hmac_key_file": key_file(tmp_path)}
+    )
     assert cfg.security.hmac_key == KEY
     cfg.check_listen()
     copy = cfg.replace(allowed_decode_ids=("d0",))
@@ -119,7 +121,7 @@ def test_repr_and_str_never_show_the_key(tmp_path: Path) -> None:
 
 
 def test_a_wildcard_bind_is_never_advertised() -> None:
-    cfg = KVPushConfig.from_mapping({"host": "0.0.0.0", "hmac_key": KEY})
+    cfg = KVPushConfig.from_mapping({"engine_id": "p0", "host": "0.0.0.0", "hmac_key": KEY})
     with pytest.raises(ConfigError, match=r"host '0.0.0.0' binds every interface .* set advertise_host"):
         cfg.check_listen()
     ok = cfg.replace(advertise_host="192.0.2.1")

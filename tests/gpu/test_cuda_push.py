@@ -75,7 +75,7 @@ def test_demo_pushes_vram_between_processes(tmp_path, extra):
             "8192",
             "--layers",
             "8",
-            "--json",
+            "--output",
             str(out),
             *extra,
         ],

@@ -380,4 +380,6 @@ def test_without_boto3_the_error_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "boto3", None)  # makes `import boto3` raise ModuleNotFoundError
     assert kvpush("list", "--name", "c", "--region", REGION) == 2
-    assert "pip install 'kvpush[cluster]'" in capsys.readouterr().err
+    from kvpush.apps.install_hint import install_command
+
+    assert install_command("cluster") in capsys.readouterr().err

@@ -47,7 +47,9 @@ def test_the_key_is_copied_into_a_0600_file_the_connector_reads(
     assert [p.name for p in out.parent.iterdir()] == ["hmac.key"]  # no temporary file left behind
     printed = capsys.readouterr()
     assert str(out) in printed.out and base64.b64encode(KEY).decode() not in printed.out + printed.err
-    cfg = KVPushConfig.from_mapping({"host": "10.0.0.5", "hmac_key_file": str(out)}, environ={})
+    cfg = KVPushConfig.from_mapping(
+        {"engine_id": "p0", "host": "10.0.0.5", "hmac_key_file": str(out)}, environ={}
+    )
     assert cfg.security.hmac_key == KEY
     cfg.check_listen()
 

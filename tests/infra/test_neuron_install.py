@@ -34,6 +34,10 @@ SCRIPT = ROOT / "scripts" / "neuron_install.sh"
 PROTECTED = ROOT / "scripts" / "neuron-protected.txt"
 DLAMI = {"nixl": "1.3.2", "torch": "2.11.0"}  # what the stand-in DLAMI venv holds
 NIXL_RELEASE = "1.5.1"  # the NIXL the stand-in index offers (inside kvpush's range)
+# the version and NIXL pin of this checkout's pyproject (the stand-in wheel and the messages use them)
+_PYPROJECT = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+KVPUSH_VERSION = _PYPROJECT["version"]
+NIXL_PIN = _PYPROJECT["optional-dependencies"]["nixl"][0]
 
 
 def _norm(name: str) -> str:
@@ -112,7 +116,7 @@ def dlami(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             _fake_wheel(wheels, "nixl", NIXL_RELEASE, ["torch==2.13.0"])
         else:
             _fake_wheel(wheels, name, version(name))  # the version this repo's .venv runs
-    kvpush = _fake_wheel(wheels, "kvpush", "0.1.0", kvpush_reqs)  # stand-in for the built kvpush wheel
+    kvpush = _fake_wheel(wheels, "kvpush", KVPUSH_VERSION, kvpush_reqs)  # stand-in for the built kvpush wheel
     return {"venv": venv, "wheels": wheels, "kvpush": kvpush, "root": root}
 
 
@@ -176,10 +180,10 @@ def test_recipe_installs_kvpush_and_its_deps_but_never_nixl_or_torch(dlami: dict
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "keeping the venv's nixl 1.3.2 (kvpush asks for nixl>=1.5,<2)" in proc.stdout
+    assert f"keeping the venv's nixl 1.3.2 (kvpush asks for {NIXL_PIN})" in proc.stdout
     deps, kvpush = _would_install(reports / "deps.json"), _would_install(reports / "kvpush.json")
     protected = _protected()
-    assert kvpush == {"kvpush": "0.1.0"}
+    assert kvpush == {"kvpush": KVPUSH_VERSION}
     assert not set(deps) & protected, deps
     expected = {_req_name(r) for r in _kvpush_requirements(("bench",))} - {"nixl"}
     assert set(deps) == expected, deps  # everything else kvpush needs is installed
@@ -196,4 +200,4 @@ def test_recipe_refuses_a_venv_without_nixl(dlami: dict[str, Path], tmp_path: Pa
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode != 0
-    assert "kvpush needs nixl>=1.5,<2 and the venv has none" in proc.stderr
+    assert f"kvpush needs {NIXL_PIN} and the venv has none" in proc.stderr

@@ -340,7 +340,13 @@ def test_setup_scripts_render_and_pass_shellcheck(
             and "aws-neuronx-runtime-lib" in accelerated
             and "nvidia-smi" not in accelerated
         )
-    assert "fi_info" not in scripts["proxy"] and 'install_kvpush "$VENV" bench,infra' in scripts["proxy"]
+    assert "fi_info" not in scripts["proxy"] and 'install_kvpush "$VENV" proxy,cluster' in scripts["proxy"]
+    # the proxy node gets the proxy extra only: no vLLM, NIXL, torch or test tools
+    proxy_only = scripts["proxy"][
+        scripts["proxy"].index("# ---- Proxy") : scripts["proxy"].index("# ---- The shared")
+    ]
+    for heavy in ("vllm", "nixl", "torch", "bench", "infra", "test"):
+        assert heavy not in proxy_only.lower().split("# ---- proxy", 1)[-1].split("\n", 3)[-1], heavy
 
 
 def test_cluster_env_output_has_the_keys_the_scripts_read() -> None:

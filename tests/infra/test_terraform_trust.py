@@ -96,11 +96,19 @@ def _validation_regex(path: Path, variable: str) -> str:
 
 
 @pytest.mark.parametrize("path", VARIABLE_FILES, ids=lambda p: str(p.relative_to(TERRAFORM_DIR)))
-def test_kvpush_ref_is_a_tag_or_a_commit_never_a_branch(path: Path) -> None:
+def test_kvpush_ref_is_a_release_tag_never_a_branch_or_a_commit(path: Path) -> None:
     pattern = re.compile(_validation_regex(path, "kvpush_ref"))
-    for ok in ("v0.1.0", "v1.2.3-rc1", "0123456789abcdef0123456789abcdef01234567"):
+    for ok in ("v0.1.0", "v0.2.0", "v1.2.3-rc1"):
         assert pattern.search(ok), ok
-    for bad in ("main", "master", "feature/x", "v1", "0123456", "HEAD"):
+    for bad in (
+        "main",
+        "master",
+        "feature/x",
+        "v1",
+        "0123456",
+        "HEAD",
+        "0123456789abcdef0123456789abcdef01234567",
+    ):
         assert not pattern.search(bad), bad
 
 

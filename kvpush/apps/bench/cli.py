@@ -199,7 +199,8 @@ def run(args: argparse.Namespace) -> int:  # noqa: C901
                         {
                             "backend": f"kvpush-bench-{m}",
                             "mode": m,
-                            "model_id": "Qwen3-32B (emulated)",
+                            "model_id": f"{cm.raw['model'].get('name', '?')} (emulated)",
+                            "model_tp": cm.raw["model"].get("tp_size"),
                             "request_rate": q,
                             "burstiness": 1.0,
                             "max_concurrency": None,

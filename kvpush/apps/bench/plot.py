@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvpush.apps.cliutil import alias
+from kvpush.errors import ConfigError
 
 NAME = re.compile(
     r"^(?P<mode>[a-z-]+)_qps(?P<qps>[0-9.]+)_in(?P<inl>\d+)_out(?P<out>\d+)_iter(?P<it>\d+)\.json$"
@@ -23,6 +24,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric", choices=("ttft", "tpot", "itl", "e2el"), default="ttft")
     parser.add_argument("--stat", choices=("median", "mean", "p99"), default="median")
     parser.add_argument("--out", default=None, help="PNG path (default: <results-dir>/<metric>.png)")
+
+
+def title(results_dir: Path) -> str:
+    """What the runs emulated, from their own result files (model_id, model_tp), not a fixed name."""
+    models = set()
+    for f in sorted(results_dir.glob("*.json")):
+        if NAME.match(f.name):
+            res = json.loads(f.read_text())
+            tp = res.get("model_tp")
+            models.add(str(res.get("model_id", "unknown model")) + (f", TP{tp}" if tp else ""))
+    return "; ".join(sorted(models)) or "unknown model"
 
 
 def load(results_dir: Path, metric: str, stat: str) -> dict[int, dict[str, dict[float, list[float]]]]:
@@ -47,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     rd = Path(args.results_dir)
     data = load(rd, args.metric, args.stat)
     if not data:
-        raise SystemExit(f"no <mode>_qps<q>_in<in>_out<out>_iter<i>.json files in {rd}")
+        raise ConfigError(f"no <mode>_qps<q>_in<in>_out<out>_iter<i>.json files in {rd}")
     lens = sorted(data)
     cols = min(4, len(lens))
     rows = -(-len(lens) // cols)
@@ -66,9 +78,7 @@ def run(args: argparse.Namespace) -> int:
         ax.legend(fontsize=8)
     for ax in axes.ravel()[len(lens) :]:
         ax.axis("off")
-    fig.suptitle(
-        f"kvpush bench (emulated Qwen3-32B TP8, 1P1D): {args.stat} {args.metric.upper()}, push vs pull"
-    )
+    fig.suptitle(f"kvpush bench ({title(rd)}, 1P1D): {args.stat} {args.metric.upper()}, push vs pull")
     fig.tight_layout()
     out = Path(args.out) if args.out else rd / f"{args.metric}.png"
     fig.savefig(out, dpi=110)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import random
@@ -29,7 +28,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvpush.apps.cliutil import alias, non_negative_int, port, positive_int
+from kvpush.apps.cliutil import (
+    add_output_flags,
+    alias,
+    emit_json,
+    non_negative_int,
+    port,
+    positive_int,
+    text_to_stderr,
+)
 from kvpush.apps.demo import stream
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
 from kvpush.apps.demo.timeline import timeline_us
@@ -118,8 +125,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="prefill does not name each prompt's source blocks before prefill_done (no armed WRITEs)",
     )
-    p.add_argument("--output-json", dest="json_path", metavar="PATH", help="write the result summary here")
-    alias(p, "--json", "json_path", metavar="PATH")
+    add_output_flags(p, "the result summary", "--output-json")
     stream.configure(p)
 
 
@@ -169,14 +175,18 @@ class _Peers:
 
 
 def run(args: argparse.Namespace) -> int:
+    with text_to_stderr(args):  # --json: stdout carries only the summary
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.stream:
         return stream.run_stream(args, _prefill_extra(args))
     if args.min_tokens < 1 or args.max_tokens < args.min_tokens:
-        console.print("[red]--min-tokens must be >= 1 and <= --max-tokens")
-        return 2
+        raise SystemExit("--min-tokens must be >= 1 and <= --max-tokens")
     rng = random.Random(args.seed)
     reqs = [
         _Req(f"req-{i}", rng.randint(args.min_tokens, args.max_tokens), i + 1, i % 2 == 0)
@@ -474,9 +484,7 @@ def _report(args: argparse.Namespace, reqs: list[_Req], p_stats: Any, d_stats: A
     bad = [r for r in reqs if not (r.ok and r.wrong == 0)]
     for r in bad[:5]:
         console.print(f"[red]{r.rid}: ok={r.ok} wrong_bytes={r.wrong} {r.reason}")
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(summary, f, indent=2)
+    emit_json(args, summary)
     return 0 if not bad else 1
 
 

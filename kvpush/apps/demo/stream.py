@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import statistics
 import time
@@ -26,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvpush.apps.cliutil import emit_json
 from kvpush.apps.demo.procs import Geometry, decode_main, prefill_main
 from kvpush.apps.ports import free_port_range
 from kvpush.protocol.layout import blocks_for
@@ -262,9 +262,7 @@ def _report(
         "writes": p_stats[1]["writes"],
         "blocks_free_after": {"prefill": [free_p, total_p], "decode": [free_d, total_d]},
     }
-    if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump(summary, f, indent=2)
+    emit_json(args, summary)
     leaked = free_p != total_p or free_d != total_d
     if leaked:
         console.print("[red]a block was not released")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from kvpush.apps.cliutil import add_output_flags, emit_json, progress, text_to_stderr
 from kvpush.apps.soak.common import SELF_CHECKS, chosen_faults
 from kvpush.apps.soak.driver import Soak
 from kvpush.apps.soak.report import print_report
@@ -21,7 +23,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default="all",
         help="all, none, or fault kinds separated by commas (kvpush.apps.soak.FAULT_KINDS)",
     )
-    p.add_argument("--json", dest="json_path", default=None, help="write the report here")
+    add_output_flags(p, "the report")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--window", type=int, default=8, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=1024)
@@ -60,21 +62,42 @@ def run(args: argparse.Namespace) -> int:
     soak = Soak(args)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        report = soak.run()
+        with progress(args.requests, "soak requests started") as update:
+            watch = _Watch(lambda: update(len(soak.book.reqs)))
+            try:
+                report = soak.run()
+            finally:
+                watch.stop()
     finally:
         soak.close()
         signal.signal(signal.SIGTERM, previous)
-    if args.json_path:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json_path)), exist_ok=True)
-        with open(args.json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    return print_report(report, args)
+    emit_json(args, report)
+    with text_to_stderr(args):
+        return print_report(report, args)
+
+
+class _Watch:
+    """Reports progress twice a second from its own thread (the soak's loop is not touched: it reads
+    one dict's size)."""
+
+    def __init__(self, tick: Callable[[], None]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(tick,), name="soak-progress", daemon=True)
+        self._thread.start()
+
+    def _loop(self, tick: Callable[[], None]) -> None:
+        while not self._stop.wait(0.5):
+            tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--requests", str(args.requests), "--faults", args.faults, "--seed", str(args.seed)]
-    if args.json_path:
-        out += ["--json", args.json_path]
+    if args.output:
+        out += ["--output", args.output]
     if args.self_check:
         out += ["--self-check", args.self_check]
     out += ["--stream-share", str(args.stream_share)]

@@ -147,7 +147,7 @@ resource "aws_launch_template" "proxy" {
 
   name_prefix   = "${var.name}-proxy-"
   description   = "kvpush ${var.name}: proxy and load-generator node"
-  image_id      = data.aws_ssm_parameter.proxy_ami[0].insecure_value
+  image_id      = local.proxy_ami_id
   instance_type = var.proxy_instance_type
   key_name      = var.ssh_key_name == "" ? null : var.ssh_key_name
 

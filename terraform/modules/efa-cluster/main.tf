@@ -63,20 +63,43 @@ locals {
 
 data "aws_partition" "current" {}
 
+# AMIs are pinned (ami_id, proxy_ami_id, or a versioned SSM parameter); a floating "latest"/"current"
+# parameter only with allow_latest_ami, so two nodes made a day apart do not boot different images.
+locals {
+  accelerated_ami_parameter = var.ami_ssm_parameter != "" ? var.ami_ssm_parameter : local.profile.ami_ssm_parameter
+  proxy_ami_parameter       = var.proxy_ami_ssm_parameter != "" ? var.proxy_ami_ssm_parameter : local.proxy_ami_ssm_parameter
+  floating_ami              = "/(latest|current)/"
+}
+
 data "aws_ssm_parameter" "accelerated_ami" {
   count = var.ami_id == "" ? 1 : 0
 
-  name = local.profile.ami_ssm_parameter
+  name = local.accelerated_ami_parameter
+
+  lifecycle {
+    precondition {
+      condition     = var.allow_latest_ami || length(regexall(local.floating_ami, local.accelerated_ami_parameter)) == 0
+      error_message = "The accelerated nodes' AMI would float (${local.accelerated_ami_parameter}): set ami_id, or ami_ssm_parameter to a versioned parameter, or allow_latest_ami = true to accept it."
+    }
+  }
 }
 
 data "aws_ssm_parameter" "proxy_ami" {
-  count = var.create_proxy_node ? 1 : 0
+  count = var.create_proxy_node && var.proxy_ami_id == "" ? 1 : 0
 
-  name = local.proxy_ami_ssm_parameter
+  name = local.proxy_ami_parameter
+
+  lifecycle {
+    precondition {
+      condition     = var.allow_latest_ami || length(regexall(local.floating_ami, local.proxy_ami_parameter)) == 0
+      error_message = "The proxy node's AMI would float (${local.proxy_ami_parameter}): set proxy_ami_id, or proxy_ami_ssm_parameter to a dated parameter, or allow_latest_ami = true to accept it."
+    }
+  }
 }
 
 locals {
   accelerated_ami_id = var.ami_id != "" ? var.ami_id : data.aws_ssm_parameter.accelerated_ami[0].insecure_value
+  proxy_ami_id       = var.proxy_ami_id != "" ? var.proxy_ami_id : try(data.aws_ssm_parameter.proxy_ami[0].insecure_value, "")
 }
 
 # The set-up script of each role (the user data): one template whose sections are chosen by the

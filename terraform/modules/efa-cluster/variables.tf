@@ -81,6 +81,15 @@ variable "client_cidrs" {
     condition     = !contains(var.client_cidrs, "0.0.0.0/0")
     error_message = "The client_cidrs must not contain 0.0.0.0/0: SSH and the proxy would be open to the internet."
   }
+
+  # 0.0.0.0/1 or 0.0.0.0/2 are the internet by another name: a block wider than a /16 (a site's range) is
+  # refused, and so is one whose address has host bits set (cidrhost(c, 0) is the block's own address)
+  validation {
+    condition = alltrue([
+      for c in var.client_cidrs : can(cidrnetmask(c)) && tonumber(split("/", c)[1]) >= 16 && cidrhost(c, 0) == split("/", c)[0]
+    ])
+    error_message = "Each client_cidrs block must be a /16 or narrower, written with its network address (e.g. \"203.0.113.0/24\", not \"0.0.0.0/1\")."
+  }
 }
 
 variable "ssh_key_name" {
@@ -156,7 +165,7 @@ variable "capacity" {
 }
 
 variable "ami_id" {
-  description = "AMI of the accelerated nodes. Empty: the latest from the instance profile's SSM parameter (the AWS Deep Learning AMI for NVIDIA, the Neuron DLAMI for Trainium)."
+  description = "AMI of the accelerated nodes, pinned. Empty: ami_ssm_parameter, or (only with allow_latest_ami) the instance profile's \"latest\" SSM parameter (the AWS Deep Learning AMI for NVIDIA, the Neuron DLAMI for Trainium)."
   type        = string
   default     = ""
 
@@ -164,6 +173,35 @@ variable "ami_id" {
     condition     = var.ami_id == "" || can(regex("^ami-[0-9a-f]{8,17}$", var.ami_id))
     error_message = "The ami_id must be empty or an AMI ID such as \"ami-0123456789abcdef0\"."
   }
+}
+
+variable "proxy_ami_id" {
+  description = "AMI of the proxy node, pinned. Empty: proxy_ami_ssm_parameter, or (only with allow_latest_ami) Canonical's \"current\" Ubuntu 24.04 SSM parameter."
+  type        = string
+  default     = ""
+
+  validation {
+    condition     = var.proxy_ami_id == "" || can(regex("^ami-[0-9a-f]{8,17}$", var.proxy_ami_id))
+    error_message = "The proxy_ami_id must be empty or an AMI ID such as \"ami-0123456789abcdef0\"."
+  }
+}
+
+variable "ami_ssm_parameter" {
+  description = "A pinned SSM parameter naming the accelerated nodes' AMI (a versioned DLAMI parameter). Empty: the instance profile's, which floats (\"latest\") and needs allow_latest_ami."
+  type        = string
+  default     = ""
+}
+
+variable "proxy_ami_ssm_parameter" {
+  description = "A pinned SSM parameter naming the proxy node's AMI (e.g. a dated Canonical release). Empty: Canonical's \"current\", which floats and needs allow_latest_ami."
+  type        = string
+  default     = ""
+}
+
+variable "allow_latest_ami" {
+  description = "Let an AMI float: resolve a \"latest\"/\"current\" SSM parameter at each plan, so nodes made a day apart may boot different images. Off: pin ami_id / proxy_ami_id or a versioned SSM parameter."
+  type        = bool
+  default     = false
 }
 
 variable "root_volume_size_gb" {
@@ -260,12 +298,12 @@ variable "kvpush_repo_url" {
 }
 
 variable "kvpush_ref" {
-  description = "Release tag (v0.1.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
+  description = "Release tag of kvpush that the nodes install (v0.2.0; CHANGELOG.md lists the releases). Never a branch or an arbitrary commit: a branch moves, and nodes started a day apart would run different code; the node set-up checks that the installed kvpush reports this version."
   type        = string
 
   validation {
-    condition     = can(regex("^(v[0-9]+\\.[0-9]+\\.[0-9]+([-+][0-9A-Za-z.-]+)?|[0-9a-f]{40})$", var.kvpush_ref))
-    error_message = "The kvpush_ref must be a release tag such as \"v0.1.0\" or a full 40-character commit, not a branch."
+    condition     = can(regex("^v[0-9]+\\.[0-9]+\\.[0-9]+(-rc[0-9]+)?$", var.kvpush_ref))
+    error_message = "The kvpush_ref must be a release tag such as \"v0.2.0\", not a branch or a commit."
   }
 }
 

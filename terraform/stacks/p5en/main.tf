@@ -42,10 +42,15 @@ module "cluster" {
 
   existing_placement_group = var.existing_placement_group
 
-  model           = var.model
-  tp_size         = var.tp_size
-  kvpush_repo_url = var.kvpush_repo_url
-  kvpush_ref      = var.kvpush_ref
+  model                   = var.model
+  tp_size                 = var.tp_size
+  kvpush_repo_url         = var.kvpush_repo_url
+  kvpush_ref              = var.kvpush_ref
+  ami_id                  = var.ami_id
+  proxy_ami_id            = var.proxy_ami_id
+  ami_ssm_parameter       = var.ami_ssm_parameter
+  proxy_ami_ssm_parameter = var.proxy_ami_ssm_parameter
+  allow_latest_ami        = var.allow_latest_ami
 
   efa_installer_sha256 = var.efa_installer_sha256
   results_bucket       = var.results_bucket

@@ -85,12 +85,12 @@ variable "kvpush_repo_url" {
 }
 
 variable "kvpush_ref" {
-  description = "Release tag (v0.1.0) or full 40-character commit of kvpush that the nodes install. Never a branch: a branch moves, and nodes started a day apart would run different code."
+  description = "Release tag of kvpush that the nodes install (v0.2.0; CHANGELOG.md lists the releases). Never a branch or an arbitrary commit: a branch moves, and nodes started a day apart would run different code; the node set-up checks that the installed kvpush reports this version."
   type        = string
 
   validation {
-    condition     = can(regex("^(v[0-9]+\\.[0-9]+\\.[0-9]+([-+][0-9A-Za-z.-]+)?|[0-9a-f]{40})$", var.kvpush_ref))
-    error_message = "The kvpush_ref must be a release tag such as \"v0.1.0\" or a full 40-character commit, not a branch."
+    condition     = can(regex("^v[0-9]+\\.[0-9]+\\.[0-9]+(-rc[0-9]+)?$", var.kvpush_ref))
+    error_message = "The kvpush_ref must be a release tag such as \"v0.2.0\", not a branch or a commit."
   }
 }
 
@@ -121,4 +121,34 @@ variable "efa_installer_sha256" {
     condition     = var.efa_installer_sha256 == "" || can(regex("^[0-9a-f]{64}$", var.efa_installer_sha256))
     error_message = "The efa_installer_sha256 must be empty or 64 lowercase hex digits."
   }
+}
+
+variable "ami_id" {
+  description = "AMI of the accelerated nodes, pinned (empty: ami_ssm_parameter, or the floating DLAMI parameter with allow_latest_ami)."
+  type        = string
+  default     = ""
+}
+
+variable "proxy_ami_id" {
+  description = "AMI of the proxy node, pinned (empty: proxy_ami_ssm_parameter, or Canonical's current Ubuntu with allow_latest_ami)."
+  type        = string
+  default     = ""
+}
+
+variable "ami_ssm_parameter" {
+  description = "A versioned SSM parameter naming the accelerated nodes' AMI (empty: the instance profile's floating one)."
+  type        = string
+  default     = ""
+}
+
+variable "proxy_ami_ssm_parameter" {
+  description = "A dated SSM parameter naming the proxy node's AMI (empty: Canonical's floating one)."
+  type        = string
+  default     = ""
+}
+
+variable "allow_latest_ami" {
+  description = "Accept floating (latest/current) AMIs; off: pin them (ami_id, proxy_ami_id or versioned SSM parameters)."
+  type        = bool
+  default     = false
 }

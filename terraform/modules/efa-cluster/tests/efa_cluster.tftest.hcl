@@ -47,7 +47,9 @@ variables {
   subnet_id       = "subnet-0123456789abcdef0"
   client_cidrs    = ["203.0.113.10/32"]
   kvpush_repo_url = "https://github.com/your-org/kvpush.git"
-  kvpush_ref      = "v0.1.0"
+  kvpush_ref      = "v0.2.0"
+  # the mocked SSM parameters stand for the floating ones; the runs below pin or refuse them
+  allow_latest_ami = true
 }
 
 run "p5en_interfaces_follow_network_cards" {
@@ -296,4 +298,49 @@ run "rejects_a_kms_key_that_is_not_an_arn" {
   }
 
   expect_failures = [var.secrets_kms_key_id]
+}
+
+run "a_floating_ami_is_refused_unless_asked_for" {
+  command = plan
+
+  variables {
+    allow_latest_ami = false
+  }
+
+  expect_failures = [data.aws_ssm_parameter.accelerated_ami, data.aws_ssm_parameter.proxy_ami]
+}
+
+run "pinned_amis_need_no_ssm_parameter" {
+  command = plan
+
+  variables {
+    allow_latest_ami = false
+    ami_id           = "ami-0aaaaaaaaaaaaaaaa"
+    proxy_ami_id     = "ami-0bbbbbbbbbbbbbbbb"
+  }
+
+  assert {
+    condition     = aws_launch_template.accelerated["prefill"].image_id == "ami-0aaaaaaaaaaaaaaaa" && aws_launch_template.proxy[0].image_id == "ami-0bbbbbbbbbbbbbbbb"
+    error_message = "The pinned AMIs must be the ones the launch templates use."
+  }
+}
+
+run "a_cidr_wider_than_a_site_is_refused" {
+  command = plan
+
+  variables {
+    client_cidrs = ["0.0.0.0/1"]
+  }
+
+  expect_failures = [var.client_cidrs]
+}
+
+run "a_commit_is_refused_as_kvpush_ref" {
+  command = plan
+
+  variables {
+    kvpush_ref = "0123456789abcdef0123456789abcdef01234567"
+  }
+
+  expect_failures = [var.kvpush_ref]
 }
