@@ -68,15 +68,19 @@ class PushRequests:
     abandoned WRITE may still read their source: when a request's record goes, and with it what was made
     ahead for it (armed) and what engine calls kept for it (engine)."""
 
-    def __init__(self, engine: EngineSide, armed: ArmedStore, ledger: Ledger, linger_s: float) -> None:
+    def __init__(self, engine: EngineSide, ledger: Ledger, linger_s: float) -> None:
         self.records: dict[str, PushRequest] = {}
         # released sources an abandoned WRITE may still read: (when, release), in order of `when`
         self.held: deque[tuple[float, ReleaseSource]] = deque()
         self.closing = False  # the transport is closed: nothing can read a source any more, nothing is held
         self._engine = engine
-        self._armed = armed
+        self._armed: ArmedStore | None = None  # from setup, once the transport exists (`made_in`)
         self._ledger = ledger
         self._linger_s = linger_s
+
+    def made_in(self, armed: ArmedStore) -> None:
+        """Where WRITEs are made ahead (at setup): a request's go when its record does."""
+        self._armed = armed
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.records
@@ -124,16 +128,17 @@ class PushRequests:
         elif not had:
             req.marks.pop("registered", None)
 
-    def hold(self, act: ReleaseSource, now: float) -> bool:
-        """Hold a release back (True) while an abandoned WRITE may still read its source."""
+    def release(self, act: ReleaseSource, now: float) -> tuple[bool, PushRequest | None]:
+        """(True, None): the release is held back while an abandoned WRITE may still read its source;
+        else (False, the record, dropped: `drop`) and the request ends now."""
         req = self.records.get(act.request_id)
         until = 0.0
         if req is not None:
             until, req.reads_until = req.reads_until, 0.0
         if until > now and not self.closing:
             self.held.append((until, act))  # write_linger_s is one value: `until` only grows along held
-            return True
-        return False
+            return True, None
+        return False, self.drop(act.request_id)
 
     def due(self, now: float) -> list[ReleaseSource]:
         """The held releases whose source nothing can read any more."""

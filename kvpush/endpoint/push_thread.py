@@ -89,6 +89,7 @@ class PushThread:
         self.bound_port = 0
         self.early = HeldCalls()  # kv_ready calls held on the engine's side (early.py)
         self.engine = EngineSide()  # what engine calls keep per request for later engine calls
+        self.requests = PushRequests(self.engine, self.ledger, config.leases.write_linger_s)
 
     def setup(self) -> None:
         cfg, layout = self.config, self.layout
@@ -117,7 +118,7 @@ class PushThread:
         )  # fmt: skip
         self.armed = ArmedStore(self.transport)
         self.maker = WriteMaker(layout, mem_type, self.transport, self.peers, self.armed, self.hooks)
-        self.requests = PushRequests(self.engine, self.armed, self.ledger, cfg.leases.write_linger_s)
+        self.requests.made_in(self.armed)
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
@@ -357,9 +358,9 @@ class PushThread:
 
     def _release(self, act: ReleaseSource) -> None:
         now = time.monotonic()
-        if self.requests.hold(act, now):
+        held, req = self.requests.release(act, now)
+        if held:
             return
-        req = self.requests.drop(act.request_id)
         marks = {} if req is None else req.marks
         started = None if req is None else req.prefill_done_at
         self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
