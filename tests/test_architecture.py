@@ -400,9 +400,12 @@ def stand_in_methods() -> list[str]:
 
 def test_the_family_measure_counts_in_tree_bases_through_relative_imports_and_generics():
     classes = _classes()
-    family = {k.name for k in _family(classes["kvpush.endpoint.decode.ReceiveThread"], classes)}
-    assert "kvpush.endpoint.base.EndpointThread" in family  # through Generic[...] and a relative import
-    assert "kvpush.endpoint.loop.TransferThread" in family
+    family = {k.name for k in _family(classes["kvpush.endpoint.decode.DecodeEndpoint"], classes)}
+    assert "kvpush.endpoint.base.Endpoint" in family  # through Generic[...] and a relative import
+    family = {k.name for k in _family(classes["kvpush.endpoint.base.EndpointRole"], classes)}
+    assert "kvpush.endpoint.loop.LoopRole" in family  # a relative import from a sibling module
+    family = {k.name for k in _family(classes["kvpush.protocol.handshake.AuthMismatch"], classes)}
+    assert "kvpush.errors.KVPushError" in family  # bases of bases, across modules
 
 
 def test_no_class_family_passes_400_lines():

@@ -32,7 +32,7 @@ from ..protocol.wire import Codec, Hello, Message, request_problem
 from ..transport.base import Transport
 from ..transport.nixl import NixlTransport, prepare_environment
 from .control import ControlPlane, ZmqControl
-from .loop import TransferThread
+from .loop import LoopRole, TransferLoop
 from .stats import Count, Ledger, serve_metrics
 
 if TYPE_CHECKING:
@@ -122,23 +122,36 @@ R = TypeVar("R", SendResult, RecvResult)
 TransportSource = Transport | Callable[[], Transport] | None
 
 
-class EndpointThread(TransferThread, Generic[R]):
-    """A transfer thread that owns one rank's transport (created and registered on its own thread at start),
-    its side channel, its ledger and the queue of results the engine drains."""
+class EndpointRole(LoopRole, Protocol):
+    """A role as its endpoint sees it, besides the loop's hooks."""
 
-    role = ""
+    def tracked(self) -> int:
+        """Requests the role's state machine still tracks (leases and timeouts need ticks)."""
+
+    def kept(self) -> dict[str, int]:
+        """What the role keeps per request, by map (kept.py): all 0 at rest."""
+
+    def describe(self, request_id: str) -> str:
+        """Where the role's state machine stands on request_id, in words, for a log line about a request
+        held too long. Called from the engine thread: the roles read with single lookups (racy, never
+        raising), so the answer may be a moment old."""
+
+
+class EndpointCore(Generic[R]):
+    """What a rank's role shares with its endpoint: the transport (created and registered on the loop's
+    thread at setup), codec, instance, ledger, ticks and the queue of results the engine drains."""
 
     def __init__(
         self,
         config: KVPushConfig,
+        role: str,
         layout: KVLayout,
         mem_type: str,
         transport: TransportSource,
         control: ControlPlane | None,
-        hooks: TransferHooks | None = None,
     ) -> None:
-        super().__init__(config)
-        self.hooks = hooks
+        self.config = config
+        self.role = role
         self.layout = layout
         self.mem_type = mem_type
         self.codec = Codec(config.limits.max_message_bytes)
@@ -146,22 +159,12 @@ class EndpointThread(TransferThread, Generic[R]):
         self.control: ControlPlane = control if control is not None else ZmqControl()
         self._transport_source = transport
         self._next_tick = 0.0
-        self.ledger = Ledger(self.role, config.engine_id, layout.rank)
+        self.ledger = Ledger(role, config.engine_id, layout.rank)
         # None, last: the thread ended and every result it reported on the way down is in the queue
         self.results: queue.SimpleQueue[R | None] = queue.SimpleQueue()
         self.reported_all = False
         self.result_event = threading.Event()
         self.result_listener: Callable[[], None] | None = None
-        self.init_role()
-
-    def init_role(self) -> None:
-        """The role's own state (its state machine and maps), built at the end of __init__."""
-
-    def describe(self, request_id: str) -> str:
-        """Where the role's state machine stands on request_id, in words, for a log line about a request
-        held too long. Called from the engine thread: the roles read with single lookups (racy, never
-        raising), so the answer may be a moment old."""
-        return ""
 
     def setup_transport(self) -> tuple[Transport, Hello]:
         src = self._transport_source
@@ -191,6 +194,7 @@ class EndpointThread(TransferThread, Generic[R]):
         return True
 
     def wound_down(self) -> None:
+        """The loop's thread ended: every result it reported is in the queue."""
         self.results.put(None)
         self.result_event.set()
 
@@ -223,18 +227,22 @@ class EndpointThread(TransferThread, Generic[R]):
 class Endpoint(Generic[R]):
     """The engine-facing half: lifecycle, results, stats. Every call returns at once."""
 
-    def __init__(self, config: KVPushConfig, layout: KVLayout, worker: EndpointThread[R]) -> None:
+    def __init__(
+        self, config: KVPushConfig, layout: KVLayout, core: EndpointCore[R], loop: TransferLoop[EndpointRole]
+    ) -> None:
         if not layout.regions:
             raise LayoutError(f"{type(self).__name__} needs a layout placed in memory (regions and planes)")
         self.config = config
         self.layout = layout
-        self._worker: EndpointThread[R] = worker
+        self._core: EndpointCore[R] = core
+        self._loop = loop
+        self._role: EndpointRole = loop.role
 
     def start(self) -> None:
         """Start the transfer thread (its transport and side channel) and the metrics endpoint. A start
         that fails part way stops what it started, so `with Endpoint(...)` leaks nothing either (its
         __exit__ never runs when __enter__ raises)."""
-        self._worker.start()
+        self._loop.start()
         try:
             if self.config.metrics.port is not None:
                 # one port per rank (PP stage x TP), as for the side channel: ranks must not collide
@@ -253,55 +261,55 @@ class Endpoint(Generic[R]):
     def close(self) -> None:
         """Stop the transfer thread. Live requests are reported as failed; finished() hands them out,
         then raises EndpointClosed."""
-        self._worker.stop()
+        self._loop.stop()
 
     @property
     def closed(self) -> bool:
-        return self._worker.closed or self._worker.fatal is not None
+        return self._loop.closed or self._loop.fatal is not None
 
     def set_result_listener(self, listener: Callable[[], None] | None) -> None:
         """Call `listener()` (on the transfer thread, so it must be quick and must not block) whenever a
         result becomes available to `finished()`. An engine that sleeps while it has nothing to compute
         uses it to wake up as soon as a transfer settles instead of polling."""
-        self._worker.result_listener = listener
+        self._core.result_listener = listener
 
     def finished(self) -> list[R]:
         """Results since the last call. Once the endpoint is closed or its thread died, the results it
         reported on the way down are still handed out; after that, EndpointClosed."""
-        w = self._worker
-        w.result_event.clear()
-        got = _drain(w.results)
+        c = self._core
+        c.result_event.clear()
+        got = _drain(c.results)
         out = [r for r in got if r is not None]
-        w.reported_all = w.reported_all or len(out) < len(got)
-        if not out and (w.fatal is None or w.reported_all):
+        c.reported_all = c.reported_all or len(out) < len(got)
+        if not out and (self._loop.fatal is None or c.reported_all):
             # a dead thread's teardown may still be reporting: raise only once all of it was handed out
-            w.alive_or_raise()
+            self._loop.alive_or_raise()
         return out
 
     def wait_any(self, timeout: float) -> list[R]:
         got = self.finished()
         if got:
             return got
-        self._worker.result_event.wait(timeout)
+        self._core.result_event.wait(timeout)
         return self.finished()
 
     def describe(self, request_id: str) -> str:
         """Where the transfer thread's state machine stands on request_id, in words (for logs)."""
-        return self._worker.describe(request_id)
+        return self._role.describe(request_id)
 
     def stats(self) -> dict[str, int]:
-        out: dict[str, int] = self._worker.ledger.snapshot()
-        out["pending"] = self._worker.tracked()  # a racy read is fine for a gauge
+        out: dict[str, int] = self._core.ledger.snapshot()
+        out["pending"] = self._role.tracked()  # a racy read is fine for a gauge
         return out
 
     def pending(self) -> int:
         """Requests the state machine still tracks (asked on the transfer thread)."""
-        return int(self._worker.call(self._worker.tracked, self.config.liveness.handshake_timeout_s))
+        return int(self._loop.call(self._role.tracked, self.config.liveness.handshake_timeout_s))
 
     def kept_state(self) -> dict[str, int]:
         """What the transfer thread keeps per request, map by map (asked on that thread): every count is
         0 once nothing is pending and the leases have run out; anything else is a leak (kept.py)."""
-        return dict(self._worker.call(self._worker.kept, self.config.liveness.handshake_timeout_s))
+        return dict(self._loop.call(self._role.kept, self.config.liveness.handshake_timeout_s))
 
 
 def checked_blocks(

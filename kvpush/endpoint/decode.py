@@ -37,7 +37,7 @@ from ..protocol.reasons import Failure
 from ..protocol.receiver import Failed
 from .base import (
     Endpoint,
-    EndpointThread,
+    EndpointCore,
     PrefillAddress,
     RecvResult,
     TransferHooks,
@@ -49,28 +49,35 @@ from .decode_conns import PrefillConnections, PrefillPeer
 from .decode_replies import PrefillReplies
 from .decode_requests import DecodeRequests
 from .kept import decode_kept
+from .loop import LoopRole, TransferLoop, idle_wait_ms
 
 log = logging.getLogger("kvpush")
 
 
-class ReceiveThread(EndpointThread[RecvResult]):
-    """The decode's transfer thread: the loop's step over three collaborators built at setup (once the
-    transport exists): the prefill connections, the requests (records, machine, pump) and the replies
-    (what the prefill ranks say, and their liveness)."""
+class ReceiveThread:
+    """The decode rank's role on its TransferLoop: the loop's step over three collaborators built at setup
+    (once the transport exists): the prefill connections, the requests (records, machine, pump) and the
+    replies (what the prefill ranks say, and their liveness)."""
 
     name = "kvpush-recv"
-    role = "decode"
+
+    def __init__(
+        self, core: EndpointCore[RecvResult], loop: TransferLoop[LoopRole], hooks: TransferHooks | None
+    ) -> None:
+        self.core, self.loop, self.hooks = core, loop, hooks
+        self.config, self.layout, self.ledger = core.config, core.layout, core.ledger
+        self.tick_due = core.tick_due
 
     def setup(self) -> None:
-        cfg = self.config
-        self.transport, hello = self.setup_transport()
+        cfg, core = self.config, self.core
+        self.transport, hello = core.setup_transport()
         self.conns = PrefillConnections(
-            cfg.limits, cfg.liveness, cfg.security.hmac_key, self.codec, hello, self.control, self.poller,
-            self.ledger, lambda: self.requests.addresses(),
+            cfg.limits, cfg.liveness, cfg.security.hmac_key, core.codec, hello, core.control,
+            self.loop.poller, self.ledger, lambda: self.requests.addresses(),
         )  # fmt: skip
         self.requests = DecodeRequests(
             cfg.engine_id, self.layout, cfg.leases, cfg.liveness, self.conns, self.ledger, self.hooks,
-            self.put_result,
+            core.put_result,
         )  # fmt: skip
         self.replies = PrefillReplies(
             self.layout, cfg.limits, cfg.liveness, cfg.leases.write_timeout_s, self.conns, self.requests,
@@ -80,7 +87,8 @@ class ReceiveThread(EndpointThread[RecvResult]):
     def teardown(self) -> None:
         self.conns.close()
         self.transport.close()  # memory deregistered: from here on no WRITE can land in our blocks
-        reason = "decode endpoint closed" if self.fatal is None else f"decode endpoint died: {self.fatal!r}"
+        fatal = self.loop.fatal
+        reason = "decode endpoint closed" if fatal is None else f"decode endpoint died: {fatal!r}"
         reqs = self.requests
         for act in reqs.state.close(reason):
             if isinstance(act, Failed):
@@ -93,6 +101,12 @@ class ReceiveThread(EndpointThread[RecvResult]):
 
     def in_flight(self) -> bool:
         return self.requests.announced > 0
+
+    def idle_wait_ms(self) -> int:
+        return idle_wait_ms(self.config.pacing, self.tracked())
+
+    def wound_down(self) -> None:
+        self.core.wound_down()
 
     def tracked(self) -> int:
         return len(self.requests.state) + self.requests.held
@@ -131,8 +145,12 @@ class DecodeEndpoint(Endpoint[RecvResult]):
         control: ControlPlane | None = None,
         hooks: TransferHooks | None = None,
     ) -> None:
-        self._recv = ReceiveThread(config, layout, mem_type, transport, control, hooks)
-        super().__init__(config, layout, self._recv)
+        core = EndpointCore[RecvResult](config, "decode", layout, mem_type, transport, control)
+        loop: TransferLoop[ReceiveThread] = TransferLoop(
+            config.pacing, lambda loop: ReceiveThread(core, loop, hooks)
+        )
+        self._recv = loop.role
+        super().__init__(config, layout, core, loop)
 
     def connect(self, prefill: PrefillAddress, timeout: float | None = None) -> None:
         """Handshake with every prefill rank this rank needs, now; PeerRefused (a LayoutError) on a
@@ -144,12 +162,12 @@ class DecodeEndpoint(Endpoint[RecvResult]):
         deadline = time.monotonic() + timeout
         while True:
             done = threading.Event()
-            peers, full = self._recv.call(functools.partial(self._connect, prefill, done), timeout)
+            peers, full = self._loop.call(functools.partial(self._connect, prefill, done), timeout)
             if full:
                 raise PeerRefused(f"cannot pair with prefill {prefill.engine_id!r}: {full}")
             try:
                 while not done.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
-                    self._recv.alive_or_raise()
+                    self._loop.alive_or_raise()
                     if time.monotonic() >= deadline:
                         raise HandshakeTimeout(
                             f"no handshake answer from prefill {prefill.engine_id!r} at "
@@ -158,8 +176,8 @@ class DecodeEndpoint(Endpoint[RecvResult]):
             finally:
                 if not done.is_set():  # nobody waits any more: the ranks may be pruned
                     with contextlib.suppress(EndpointClosed):
-                        self._recv.submit(functools.partial(self._recv.requests.unwait, peers, done))
-            self._recv.alive_or_raise()
+                        self._loop.submit(functools.partial(self._recv.requests.unwait, peers, done))
+            self._loop.alive_or_raise()
             errors = [p.error for p in peers if p.error]
             if errors:
                 raise PeerRefused(f"prefill {prefill.engine_id!r} refused the pairing: {errors[0]}")
@@ -175,14 +193,14 @@ class DecodeEndpoint(Endpoint[RecvResult]):
         (prefill.pp_size stages) the request is ready once every stage's layers landed."""
         limit = self.config.limits.max_message_bytes
         blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens, limit)
-        self._recv.submit(lambda: self._recv.requests.expect(request_id, blocks, num_tokens, prefill))
+        self._loop.submit(lambda: self._recv.requests.expect(request_id, blocks, num_tokens, prefill))
 
     def abort(self, request_id: str, reason: str = "aborted by decode engine") -> None:
-        self._recv.submit(lambda: self._recv.requests.abort(request_id, reason))
+        self._loop.submit(lambda: self._recv.requests.abort(request_id, reason))
 
     def cancel(
         self, request_id: str, prefill: PrefillAddress, reason: str = "cancelled by decode engine"
     ) -> None:
         """Like abort(), but also for a request expect() never saw (dropped before allocation): the
         prefill ranks that would have written it are told, and free its blocks at once."""
-        self._recv.submit(lambda: self._recv.requests.cancel(request_id, prefill, reason))
+        self._loop.submit(lambda: self._recv.requests.cancel(request_id, prefill, reason))

@@ -43,6 +43,15 @@ class _Record(Protocol):
     def dst_half(self) -> Sized | None: ...
 
 
+class _Requests(Protocol):
+    """push_request.PushRequests, as far as the counts read it."""
+
+    @property
+    def records(self) -> Mapping[str, _Record]: ...
+    @property
+    def held(self) -> Sized: ...
+
+
 class _EngineSide(Protocol):
     @property
     def sourced(self) -> Sized: ...
@@ -54,9 +63,7 @@ class _PushMaps(Protocol):
     @property
     def state(self) -> Sized: ...
     @property
-    def requests(self) -> Mapping[str, _Record]: ...
-    @property
-    def held(self) -> Sized: ...
+    def requests(self) -> _Requests: ...
     @property
     def early(self) -> Sized: ...
     @property
@@ -94,7 +101,7 @@ def prefill_kept(t: _PushMaps) -> dict[str, int]:
     """The prefill's per-request state, on the push thread and the engine's side (tombstones aside: they
     expire on their own clock). `push_requests` counts the records; the keys after it count the records
     holding each part (the names of the maps these parts once were), so a part left behind is named."""
-    recs = list(t.requests.values())
+    recs = list(t.requests.records.values())
     return {
         "requests": len(t.state),
         "push_requests": len(recs),
@@ -103,7 +110,7 @@ def prefill_kept(t: _PushMaps) -> dict[str, int]:
         "staged": sum(r.staged for r in recs),
         "timeline": sum(bool(r.marks) for r in recs),
         "reads_until": sum(r.reads_until > 0 for r in recs),
-        "held_releases": len(t.held),
+        "held_releases": len(t.requests.held),
         "held_kv_ready": len(t.early),
         "src_half": sum(r.src_half is not None for r in recs),
         "dst_half": sum(bool(r.dst_half) for r in recs),

@@ -17,13 +17,16 @@ engine call run its command on the engine's own thread instead, when it can take
 waiting (the thread is between rounds and nothing is queued): the thread hop, the largest part of a small
 request's cost, is then skipped; otherwise the command is queued as usual. The engine never waits here.
 
-Death is sticky: if the thread's loop raises, `fatal` holds the exception, the subclass's teardown still
+The loop is a collaborator, not a base: a `TransferLoop` drives one role (the push or the receive thread's
+work, `LoopRole`), which it builds with itself as the argument (the role registers its sockets on the
+loop's poller and rings its doorbell) and calls only through the role's hooks.
+
+Death is sticky: if the thread's loop raises, `fatal` holds the exception, the role's teardown still
 runs (it fails what is live), and every later engine-facing call raises EndpointClosed from it.
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import logging
 import os
@@ -31,11 +34,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import zmq
 
-from ..config import KVPushConfig
+from ..config_groups import Pacing
 from ..errors import EndpointClosed, EndpointTimeout
 
 log = logging.getLogger("kvpush")
@@ -71,14 +74,51 @@ class Doorbell:
                 os.close(fd)
 
 
-class TransferThread(abc.ABC):
-    """A thread that runs `step()` until stopped; subclasses own the transport and the state machine and
-    implement the four abstract hooks (setup, teardown, step, busy); the others have defaults."""
+class LoopRole(Protocol):
+    """What a TransferLoop drives: the role's hooks, all called on the loop's thread under its `work` lock
+    (wound_down after it)."""
 
-    name = "kvpush-transfer"
+    name: str  # the thread's name
 
-    def __init__(self, config: KVPushConfig) -> None:
-        self.config = config
+    def setup(self) -> None:
+        """Before the first round: create the transport and side channel; an exception here is raised from
+        start()."""
+
+    def teardown(self) -> None:
+        """After the last round (or the loop's death): release what setup made, report live requests
+        failed."""
+
+    def step(self, now: float) -> bool:
+        """One round of I/O; True if anything happened (keeps the loop in busy mode)."""
+
+    def busy(self) -> bool:
+        """True while transfers are in flight or expected: poll fast."""
+
+    def in_flight(self) -> bool:
+        """True while a transfer the role posted is on the wire: poll without backing off."""
+
+    def idle_wait_ms(self) -> int:
+        """How long to block when not busy (`idle_wait_ms` below, or shorter)."""
+
+    def wound_down(self) -> None:
+        """The thread's last act, after teardown reported everything it had to."""
+
+
+def idle_wait_ms(pacing: Pacing, tracked: int) -> int:
+    """A tick every idle_poll_s while anything is tracked (leases, timeouts), five times longer when
+    nothing is (only the doorbell or a message can matter)."""
+    return max(1, int(pacing.idle_poll_s * (1000 if tracked else 5000)))
+
+
+RoleT = TypeVar("RoleT", bound=LoopRole, covariant=True)
+
+
+class TransferLoop(Generic[RoleT]):
+    """The thread that runs `role.step()` until stopped: its doorbell, command queue, poller, round lock
+    and sticky death. `role` is built by `make_role(loop)`, on the caller's thread."""
+
+    def __init__(self, pacing: Pacing, make_role: Callable[[TransferLoop[RoleT]], RoleT]) -> None:
+        self.pacing = pacing
         self.commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.doorbell = Doorbell()
         self.poller = zmq.Poller()
@@ -95,6 +135,8 @@ class TransferThread(abc.ABC):
         # call may take it without waiting and run its command itself (run_inline).
         self.work = threading.Lock()
         self._looping = False  # the loop runs: inline commands are allowed (set and cleared under work)
+        self.role: RoleT = make_role(self)
+        self.name = self.role.name
 
     # lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -183,49 +225,10 @@ class TransferThread(abc.ABC):
             raise value
         return value
 
-    # subclass hooks -----------------------------------------------------------------------------
-    @abc.abstractmethod
-    def setup(self) -> None:
-        """On the thread, before its first round: create the transport and side channel; an exception
-        here is raised from start()."""
-
-    @abc.abstractmethod
-    def teardown(self) -> None:
-        """On the thread, after its last round (or its death): release what setup made and report every
-        live request failed."""
-
-    @abc.abstractmethod
-    def step(self, now: float) -> bool:
-        """One round of I/O; True if anything happened (keeps the loop in busy mode)."""
-
-    @abc.abstractmethod
-    def busy(self) -> bool:
-        """True while transfers are in flight or expected: poll fast."""
-
-    def wound_down(self) -> None:  # noqa: B027 - an optional hook: nothing to do by default
-        """The thread's last act, after teardown reported everything it had to."""
-
-    def tracked(self) -> int:
-        """Requests the thread's state machine still tracks (leases and timeouts need ticks)."""
-        return 0
-
-    def kept(self) -> dict[str, int]:
-        """What the thread keeps per request, by map (kept.py): all 0 at rest."""
-        return {}
-
-    def in_flight(self) -> bool:
-        """True while a transfer this thread posted is on the wire: poll without backing off."""
-        return self.busy()
-
-    def idle_wait_ms(self) -> int:
-        """How long to block when not busy: a tick every idle_poll_s while anything is tracked (leases,
-        timeouts), five times longer when nothing is (only the doorbell or a message can matter)."""
-        return max(1, int(self.config.pacing.idle_poll_s * (1000 if self.tracked() else 5000)))
-
     # loop ---------------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.setup()
+            self.role.setup()
         except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
             self._start_error = exc
             self._started.set()
@@ -240,14 +243,15 @@ class TransferThread(abc.ABC):
             with self.work:
                 self._looping = False
                 try:
-                    self.teardown()
+                    self.role.teardown()
                 except Exception:
                     log.exception("kvpush thread %s: teardown failed", self.name)
-            self.wound_down()
+            self.role.wound_down()
 
     def _loop(self) -> None:
-        fast, slowest = self.config.pacing.busy_poll_s, self.config.pacing.max_busy_poll_s
-        spin = self.config.pacing.spin_s
+        fast, slowest = self.pacing.busy_poll_s, self.pacing.max_busy_poll_s
+        spin = self.pacing.spin_s
+        role = self.role
         nap = fast
         active = 0.0  # when a command or a round last did something (the spin window counts from here)
         commands = self.commands
@@ -263,7 +267,7 @@ class TransferThread(abc.ABC):
                     nap = fast
                     active = time.monotonic()
                 now = time.monotonic()
-                if self.step(now):
+                if role.step(now):
                     nap = fast
                     active = now
                     continue
@@ -275,8 +279,8 @@ class TransferThread(abc.ABC):
                     self._rang = False
                     self.doorbell.clear()
                     continue
-                busy = self.busy()
-                wait_ms = 0 if busy else self.idle_wait_ms()
+                busy = role.busy()
+                wait_ms = 0 if busy else role.idle_wait_ms()
             # the lock is free while the thread waits: an engine call may run its command meanwhile
             if busy:
                 # back off towards `slowest` while nothing happens; from 1 ms on, nap in the poller
@@ -288,7 +292,7 @@ class TransferThread(abc.ABC):
                 # a WRITE in flight is polled at the fast cadence (with UCX its notification leaves only
                 # when we poll); back off only while nothing of ours is on the wire
                 with work:
-                    nap = fast if self.in_flight() else min(nap * 2, slowest)
+                    nap = fast if role.in_flight() else min(nap * 2, slowest)
             elif spin and now - active < spin:
                 time.sleep(fast)  # the spin window: the next command or message is picked up warm
             else:

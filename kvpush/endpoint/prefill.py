@@ -23,6 +23,7 @@ from ..protocol.layout import KVLayout
 from .base import (
     TIMELINE,
     Endpoint,
+    EndpointCore,
     SendResult,
     TransferHooks,
     TransportSource,
@@ -31,6 +32,7 @@ from .base import (
 )
 from .control import ControlPlane
 from .early import ReadyCall
+from .loop import TransferLoop
 from .prefill_conns import MAX_MESSAGES_PER_ROUND
 from .push_thread import PushThread
 from .stats import Count
@@ -50,8 +52,12 @@ class PrefillEndpoint(Endpoint[SendResult]):
         control: ControlPlane | None = None,
         hooks: TransferHooks | None = None,
     ) -> None:
-        self._push = PushThread(config, layout, mem_type, transport, control, hooks)
-        super().__init__(config, layout, self._push)
+        core = EndpointCore[SendResult](config, "prefill", layout, mem_type, transport, control)
+        loop: TransferLoop[PushThread] = TransferLoop(
+            config.pacing, lambda loop: PushThread(core, loop, hooks)
+        )
+        self._push = loop.role
+        super().__init__(config, layout, core, loop)
         self._engine = self._push.engine  # per request, what one engine call keeps for a later one
 
     @property
@@ -84,7 +90,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
             blocks = checked_blocks(self.layout, request_id, block_ids, num_tokens)
         if engine.streaming:
             engine.streaming.discard(request_id)
-        push = self._push
+        push, loop = self._push, self._loop
 
         def command() -> None:
             push.cmd_prefill_done(request_id, blocks, num_tokens, at, kv_written, decode_engine_id)
@@ -93,9 +99,9 @@ class PrefillEndpoint(Endpoint[SendResult]):
             command()
             push.ledger.add(Count.ENGINE_POSTS)  # under the thread's round lock: the ledger's one writer
 
-        if kv_written is None and push.run_inline(on_engine_thread, lambda: push.inline_ok(request_id)):
+        if kv_written is None and loop.run_inline(on_engine_thread, lambda: push.inline_ok(request_id)):
             return  # posted from this thread: the WRITE was made ahead (source_blocks) and is small
-        push.submit(command)
+        loop.submit(command)
 
     def source_blocks(
         self,
@@ -116,7 +122,7 @@ class PrefillEndpoint(Endpoint[SendResult]):
         if self._push.hooks is None:  # staging makes nothing ahead: prefill_done checks its table again
             # dropped by prefill_done or abort, or by the push thread with the request (push_request.py)
             self._engine.sourced[request_id] = (num_tokens, blocks)
-        self._push.submit(
+        self._loop.submit(
             lambda: self._push.cmd_source_blocks(request_id, blocks, num_tokens, decode_engine_id)
         )
 
@@ -144,16 +150,16 @@ class PrefillEndpoint(Endpoint[SendResult]):
         if request_id not in streaming and (
             num_tokens < self.config.streaming.min_tokens or push.hooks is not None
         ):
-            push.alive_or_raise()
+            self._loop.alive_or_raise()
             push.early.hold(request_id, call, time.monotonic())  # nothing may move yet: early.py
             return
         streaming.add(request_id)  # before the command: the push thread drops it with the request
         try:
-            push.submit(lambda: push.cmd_held(request_id, [*push.early.take(request_id), call]))
+            self._loop.submit(lambda: push.cmd_held(request_id, [*push.early.take(request_id), call]))
         except BaseException:
             streaming.discard(request_id)
             raise
 
     def abort(self, request_id: str, reason: str = "aborted by prefill engine") -> None:
         self._engine.drop(request_id)
-        self._push.submit(lambda: self._push.cmd_abort(request_id, reason))
+        self._loop.submit(lambda: self._push.cmd_abort(request_id, reason))

@@ -6,7 +6,11 @@ returns actions; each StartWrite goes to the WriteMaker (write_maker.py), which 
 (peers.py) and returns a WRITE ready to post (planned, sealed, or made ahead); the WRITE scheduler
 (writes.py) queues and posts it, and its settlements come back, one `Settled` per WRITE, through `_settle`,
 the one place the machine hears a WRITE's outcome. What the thread keeps of a request is one `PushRequest`
-(push_request.py) in `requests`.
+(push_request.py) in `requests` (PushRequests: the records, held releases and the drop rules).
+
+It is a role its endpoint's TransferLoop (loop.py) drives, not a thread class: the loop owns the thread,
+doorbell, command queue and sticky death; what the endpoint shares (transport set-up, ledger, results) is
+its EndpointCore (base.py).
 """
 
 from __future__ import annotations
@@ -37,15 +41,16 @@ from ..protocol.sender import (
 )
 from ..protocol.wire import Posted
 from .armed import ArmedStore
-from .base import TIMELINE, EndpointThread, SendResult, stream_policy
+from .base import TIMELINE, EndpointCore, SendResult, TransferHooks, stream_policy
 from .conn_events import Admitted, ConnEvent, DecodeAborted
 from .early import HeldCalls, ReadyCall
 from .kept import prefill_kept
+from .loop import LoopRole, TransferLoop, idle_wait_ms
 from .peers import DecodePeers
 from .posting import WriteSpec
 from .prefill_bindings import DecodeBindings
 from .prefill_conns import DecodeConnections
-from .push_request import EngineSide, PushRequest
+from .push_request import EngineSide, PushRequests
 from .stats import Count
 from .write_maker import WriteMaker
 from .writes import Settled, WriteScheduler, failure_of
@@ -56,12 +61,21 @@ log = logging.getLogger("kvpush")
 _ORDER_COUNT = {c.value: c for c in (Count.REGISTRATION_FIRST, Count.PREFILL_FIRST)}
 
 
-class PushThread(EndpointThread[SendResult]):
-    name = "kvpush-push"
-    role = "prefill"
+class PushThread:
+    """The prefill rank's role on its TransferLoop: setup/teardown, the round's step, the action pump and
+    the engine's commands."""
 
-    def init_role(self) -> None:
-        config, layout = self.config, self.layout
+    name = "kvpush-push"
+
+    def __init__(
+        self, core: EndpointCore[SendResult], loop: TransferLoop[LoopRole], hooks: TransferHooks | None
+    ) -> None:
+        self.core, self.loop, self.hooks = core, loop, hooks
+        self.config = config = core.config
+        self.layout = layout = core.layout
+        self.ledger = core.ledger
+        self.put_result = core.put_result
+        self.tick_due = core.tick_due
         self.state = SenderState(
             layout.tp_rank,
             layout.tp_size,
@@ -72,29 +86,27 @@ class PushThread(EndpointThread[SendResult]):
             layout.num_layers,
             stream_policy(config, layout),
         )
-        self.requests: dict[str, PushRequest] = {}  # what this thread keeps of each request, one record
-        # released sources an abandoned WRITE may still read: (when, release), in order of `when`
-        self.held: deque[tuple[float, ReleaseSource]] = deque()
-        self.closing = False
         self.bound_port = 0
         self.early = HeldCalls()  # kv_ready calls held on the engine's side (early.py)
         self.engine = EngineSide()  # what engine calls keep per request for later engine calls
+        self.requests = PushRequests(self.engine, self.ledger, config.leases.write_linger_s)
 
     def setup(self) -> None:
         cfg, layout = self.config, self.layout
         cfg.check_listen()  # beyond loopback only with authentication (or explicitly without)
-        self.transport, self.hello = self.setup_transport()
+        self.transport, self.hello = self.core.setup_transport()
         port = cfg.side_channel.port + layout.rank if cfg.side_channel.port else 0
         try:
-            listener = self.control.listen(cfg.side_channel.host, port, cfg.limits.max_message_bytes)
+            listener = self.core.control.listen(cfg.side_channel.host, port, cfg.limits.max_message_bytes)
         except TransportError:
             self.transport.close()
             raise
         self.bound_port = listener.port
-        self.poller.register(listener.pollable, zmq.POLLIN)
-        self.peers = DecodePeers(layout, self.mem_type, self.transport, self.ledger)
+        self.loop.poller.register(listener.pollable, zmq.POLLIN)
+        mem_type = self.core.mem_type
+        self.peers = DecodePeers(layout, mem_type, self.transport, self.ledger)
         self.bindings = DecodeBindings(
-            layout, cfg.security, cfg.limits, cfg.liveness, self.codec, self.hello, self.transport, listener,
+            layout, cfg.security, cfg.limits, cfg.liveness, self.core.codec, self.hello, self.transport, listener,
             self.ledger, self.peers, self.state,
         )  # fmt: skip
         self.conns = DecodeConnections(self.bindings, self.peers, cfg.limits, self.ledger, self.state)
@@ -102,23 +114,24 @@ class PushThread(EndpointThread[SendResult]):
         build_plan(layout, layout, warm, warm, 1)
         self.scheduler = WriteScheduler(
             cfg.posting, cfg.leases.write_timeout_s, cfg.pacing.busy_poll_s, self.transport, self.ledger,
-            self.doorbell.ring,
+            self.loop.doorbell.ring,
         )  # fmt: skip
         self.armed = ArmedStore(self.transport)
-        self.maker = WriteMaker(layout, self.mem_type, self.transport, self.peers, self.armed, self.hooks)
+        self.maker = WriteMaker(layout, mem_type, self.transport, self.peers, self.armed, self.hooks)
+        self.requests.made_in(self.armed)
 
     def teardown(self) -> None:
         # Shutting down (or dying) mid-transfer: cancel what is in flight, deregister our memory, then
         # report every request failed so the engine frees its source blocks; nothing is leaked.
-        reason = "prefill endpoint closed" if self.fatal is None else f"prefill endpoint died: {self.fatal!r}"
+        fatal = self.loop.fatal
+        reason = "prefill endpoint closed" if fatal is None else f"prefill endpoint died: {fatal!r}"
         settled = self.scheduler.close(reason)
         self.armed.close()  # WRITEs made ahead and never posted: released while the transport is open
         self.peers.close()  # and the prepared lists nothing indexes any more
         self.bindings.listener.close()
         self.transport.close()  # deregistered: no WRITE reads our memory any more, held releases go now
-        self.closing = True
-        while self.held:
-            self._release(self.held.popleft()[1])
+        for release in self.requests.close():
+            self._release(release)
         actions = self._settle(settled)
         now = time.monotonic()
         for rid, calls in self.early.close().items():  # held kv_ready calls (early.py), heard now
@@ -138,8 +151,14 @@ class PushThread(EndpointThread[SendResult]):
         # (and write timeouts are checked at least every tick)
         return self.scheduler.busy()
 
+    def in_flight(self) -> bool:
+        return self.scheduler.busy()
+
+    def wound_down(self) -> None:
+        self.core.wound_down()
+
     def tracked(self) -> int:
-        return len(self.state) + len(self.held)
+        return len(self.state) + len(self.requests.held)
 
     def kept(self) -> dict[str, int]:
         return prefill_kept(self)
@@ -149,7 +168,7 @@ class PushThread(EndpointThread[SendResult]):
         tracked: the longer idle block would leave a notice queued that long per round."""
         if self.transport.progress_owed(time.monotonic()):
             return max(1, int(self.config.pacing.idle_poll_s * 1000))
-        return super().idle_wait_ms()
+        return idle_wait_ms(self.config.pacing, self.tracked())
 
     def describe(self, request_id: str) -> str:
         try:
@@ -161,12 +180,6 @@ class PushThread(EndpointThread[SendResult]):
                 return "no registration from the decode yet"
             return "the endpoint no longer tracks it"
         return ", ".join(f"decode rank {d} {s.value}" for d, s in sorted(ranks.items()))
-
-    def _req(self, request_id: str) -> PushRequest:
-        req = self.requests.get(request_id)
-        if req is None:
-            req = self.requests[request_id] = PushRequest()
-        return req
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self, now: float) -> bool:
@@ -197,8 +210,8 @@ class PushThread(EndpointThread[SendResult]):
         self._apply(self.state.on_tick(now))
         for rid, calls in self.early.overdue(now - self.config.leases.lease_s / 2).items():
             self.cmd_held(rid, calls)
-        while self.held and self.held[0][0] <= now:
-            self._release(self.held.popleft()[1])
+        for release in self.requests.due(now):
+            self._release(release)
         self.ledger.pending(len(self.state))
         self.ledger.in_flight_bytes(self.scheduler.inflight_bytes)
 
@@ -218,18 +231,14 @@ class PushThread(EndpointThread[SendResult]):
         reg = event.registration
         rid = reg.request_id
         fresh = rid not in self.requests
-        req = self._req(rid)
+        req = self.requests.of(rid)
         had = "registered" in req.marks
         req.marks.setdefault("registered", event.at)
         peer = self.peers.get((reg.decode_engine_id, reg.decode_rank))
         align = math.lcm(self.layout.block_size, peer.layout.block_size if peer else 1)
         self._apply(self.state.on_registration(reg, event.at, align))
         if rid not in self.state:  # refused (or done already): no release will take its marks
-            if self.requests.get(rid) is req:  # else released: its marks went with its SendResult
-                if fresh and req.prefill_done_at is None:
-                    del self.requests[rid]
-                elif not had:
-                    req.marks.pop("registered", None)
+            self.requests.unregister(rid, req, fresh, had)
             return
         if (
             req.prefill_done_at is None
@@ -266,7 +275,7 @@ class PushThread(EndpointThread[SendResult]):
         elif isinstance(act, Disarm):
             self.armed.drop((act.request_id, act.attempt, act.decode_rank))
         elif isinstance(act, Forget):
-            self._forget(act)
+            self.requests.forget(act)
         elif isinstance(act, ReleaseSource):
             self._release(act)
 
@@ -292,7 +301,7 @@ class PushThread(EndpointThread[SendResult]):
         StartWrite the machine armed queues what was made ahead: only the barrier and the post remain."""
         now = time.monotonic()
         self.ledger.add(_ORDER_COUNT[act.order])
-        req = self._req(act.request_id)
+        req = self.requests.of(act.request_id)
         marks = req.marks
         if act.notify:
             marks.setdefault("prefill_done", req.prefill_done_at or now)
@@ -328,20 +337,12 @@ class PushThread(EndpointThread[SendResult]):
     def _settle(self, outcomes: list[Settled]) -> list[SenderAction]:
         """The one place the sender machine hears a WRITE's outcome."""
         follow: list[SenderAction] = []
+        settled = self.requests.settled
         for s in outcomes:
             a = s.action
-            req = self._req(a.request_id)
-            marks = req.marks
-            if s.made_at:
-                marks["made"] = min(marks.get("made", s.made_at), s.made_at)
-            if s.posted_at:
-                marks["posted"] = min(marks.get("posted", s.posted_at), s.posted_at)
-            if s.complete_at:
-                marks["complete"] = s.complete_at
+            settled(s)
             if s.ok:
                 self.ledger.add(Count.BYTES, s.nbytes)
-            if s.abandoned:
-                req.reads_until = max(req.reads_until, s.complete_at + self.config.leases.write_linger_s)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "kvpush push %s: complete %.1f ms after post (ok=%s)",
@@ -357,14 +358,9 @@ class PushThread(EndpointThread[SendResult]):
 
     def _release(self, act: ReleaseSource) -> None:
         now = time.monotonic()
-        req = self.requests.get(act.request_id)
-        until = 0.0
-        if req is not None:
-            until, req.reads_until = req.reads_until, 0.0
-        if until > now and not self.closing:
-            self.held.append((until, act))  # write_linger_s is one value: `until` only grows along held
+        held, req = self.requests.release(act, now)
+        if held:
             return
-        req = self._drop(act.request_id)
         marks = {} if req is None else req.marks
         started = None if req is None else req.prefill_done_at
         self.ledger.finished(act.ok, None if started is None else now - started, act.kind, act.owed_nothing)
@@ -379,34 +375,6 @@ class PushThread(EndpointThread[SendResult]):
             act.request_id, act.ok, act.block_ids, act.reason, act.nbytes, now, marks, act.kind
         )
         self.put_result(result)
-
-    def _drop(self, request_id: str) -> PushRequest | None:
-        """The request ends here: its record, anything still made ahead for it (a Disarm normally came)
-        and what engine calls kept for it go."""
-        if self.armed:
-            self.armed.drop_request(request_id)
-        self.engine.drop(request_id)
-        return self.requests.pop(request_id, None)
-
-    def _forget(self, act: Forget) -> None:
-        """The machine forgot a request that never heard prefill_done: so does the push thread (a
-        destination planned ahead, its marks). An engine that reported blocks with kv_ready and then
-        never made the terminal call still waits for them: say so, and count it."""
-        req = self._drop(act.request_id)
-        if req is not None and req.reads_until > time.monotonic():
-            self.requests[act.request_id] = PushRequest(reads_until=req.reads_until)  # a later prefill_done
-        if act.ready_blocks is None:
-            log.debug("kvpush prefill: forgot %s (%s): no prefill_done came", act.request_id, act.reason)
-            return
-        self.ledger.add(Count.NO_PREFILL_DONE)
-        log.warning(
-            "kvpush prefill: request %r ended (%s) and prefill_done never came within the lease: the "
-            "engine still holds the %d blocks it reported with kv_ready, and only prefill_done returns "
-            "them (a SendResult, failed); call prefill_done after abort() (docs/contract.md)",
-            act.request_id,
-            act.reason,
-            len(act.ready_blocks),
-        )
 
     def inline_ok(self, request_id: str) -> bool:
         """prefill_done may run on the engine's thread (loop.run_inline): only to post WRITEs made ahead
@@ -429,7 +397,7 @@ class PushThread(EndpointThread[SendResult]):
         decode_engine_id: str = "",
     ) -> None:
         self.cmd_held(request_id, self.early.take(request_id))
-        req = self._req(request_id)
+        req = self.requests.of(request_id)
         req.prefill_done_at = req.marks["prefill_done"] = at
         if kv_written is not None:
             req.add_barrier(kv_written)
@@ -452,7 +420,7 @@ class PushThread(EndpointThread[SendResult]):
 
     def cmd_kv_ready(self, request_id: str, c: ReadyCall) -> None:
         if c.kv_written is not None:
-            self._req(request_id).add_barrier(c.kv_written)
+            self.requests.of(request_id).add_barrier(c.kv_written)
         if self.hooks is not None:
             return  # staging copies a request's blocks once, before its first WRITE: it moves in one piece
         now = time.monotonic()

@@ -246,7 +246,7 @@ def test_an_mla_tp2_to_tp1_pair_idle_past_peer_timeout_keeps_pushing():
         assert (p0["ok"], p1["owed_nothing"], d["ok"]) == (2, 2, 2), (p0, p1, d)
         for s in (p0, p1, d):
             assert (s["peers_gone"], s["wire_errors"], s["refused"], s["failed"]) == (0, 0, 0, 0), s
-        bound = [ep._worker.call(lambda w=ep._worker: dict(w.bindings.bound), 5.0) for ep in pe]
+        bound = [ep._loop.call(lambda w=ep._push: dict(w.bindings.bound), 5.0) for ep in pe]
         assert bound == [{("D", 0): bound[0][("D", 0)]}, {}], bound  # rank 1: never greeted, nobody dropped
     finally:
         for ep in [de, *pe]:

@@ -82,7 +82,7 @@ def test_a_barrier_keeps_the_post_and_the_barrier_on_the_push_thread(pair: Pair,
 
 def test_push_thread_mid_round_means_the_command_is_queued(pair: Pair, posters: list[str]) -> None:
     dst = armed_request(pair, "q", 1, 42)
-    with pair.pe._push.work:  # as if the thread were inside a round: the engine must not wait for it
+    with pair.pe._loop.work:  # as if the thread were inside a round: the engine must not wait for it
         pair.pe.prefill_done("q", [3, 4, 5], N)
         assert posters == []
     landed(pair, "q", dst, 42)
@@ -98,11 +98,11 @@ def test_a_command_failing_on_the_engine_thread_kills_the_endpoint_cleanly(
         raise RuntimeError("state machine bug")
 
     monkeypatch.setattr(PushThread, "cmd_prefill_done", broken)
-    until(lambda: not pair.pe._push.work.locked())
+    until(lambda: not pair.pe._loop.work.locked())
     pair.pe.prefill_done("x", [3, 4, 5], N)  # the engine's call returns; the endpoint is dead from here
     with pytest.raises(EndpointClosed, match="state machine bug"):
         until(lambda: pair.pe.prefill_done("y", [6, 7, 8], N) and False, timeout=2.0)
-    until(lambda: not pair.pe._push._thread.is_alive())  # stopped, its teardown ran (handles released)
+    until(lambda: not pair.pe._loop._thread.is_alive())  # stopped, its teardown ran (handles released)
     with pytest.raises(EndpointClosed, match="state machine bug"):
         until(lambda: pair.pe.finished() and False, timeout=2.0)
     assert posters == [] and pair.armed() == 0

@@ -9,6 +9,8 @@ import time
 from kvpush.backends.host import HostKVCache
 from kvpush.config import KVPushConfig
 from kvpush.endpoint import MemoryControl
+from kvpush.endpoint.base import EndpointCore, SendResult
+from kvpush.endpoint.loop import TransferLoop
 from kvpush.endpoint.prefill import MAX_MESSAGES_PER_ROUND, PushThread
 from kvpush.protocol.layout import KVLayout
 from kvpush.transport.memory import MemoryHub, MemoryTransport
@@ -19,13 +21,15 @@ def test_one_round_handles_a_bounded_number_of_flooded_messages():
     cache = HostKVCache(
         KVLayout(num_layers=1, block_size=4, num_blocks=8, total_kv_heads=1, head_dim=8, dtype_size=2)
     )
-    worker = PushThread(
+    core = EndpointCore[SendResult](
         KVPushConfig(engine_id="P", port=0),
+        "prefill",
         cache.layout,
         "DRAM",
         MemoryTransport("P-agent", MemoryHub()),
         control,
     )
+    worker = TransferLoop(core.config.pacing, lambda loop: PushThread(core, loop, None)).role
     worker.setup()  # on this thread: the loop is driven by hand, one round at a time
     try:
         flooder = control.connect("127.0.0.1", worker.bound_port, 1 << 20)

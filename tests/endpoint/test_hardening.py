@@ -240,7 +240,7 @@ def test_a_frozen_prefill_keeps_the_decodes_blocks_until_the_fence():
     try:
         addr = PrefillAddress("P", *p.address)
         d.connect(addr)
-        p._push.submit(lambda: thaw.wait(30))  # the prefill freezes: it answers nothing from here on
+        p._loop.submit(lambda: thaw.wait(30))  # the prefill freezes: it answers nothing from here on
         transport.refuse = True
         t0 = time.monotonic()
         d.expect("frozen", [1, 2], 8, addr)
@@ -365,7 +365,7 @@ def test_a_decode_frozen_past_peer_timeout_fails_what_it_sent_by_name_then_pushe
         d.connect(addr)
         assert push_ok(p, d, addr, "before")[1].ok
         thaw = threading.Event()
-        d._recv.submit(lambda: thaw.wait(30))  # the decode's thread freezes: silent to the prefill
+        d._loop.submit(lambda: thaw.wait(30))  # the decode's thread freezes: silent to the prefill
         time.sleep(1.5)  # > peer_timeout_s 0.6: the prefill drops it
         thaw.set()
         t0 = time.monotonic()

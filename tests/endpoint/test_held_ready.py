@@ -32,7 +32,7 @@ def test_calls_under_the_threshold_wake_nothing_and_replay_in_order():
             )
         push = pe[0]._push
         assert len(push.early) == 1 and pe[0].pending() == 0  # held: the machine has not heard of it
-        assert push.commands.empty()
+        assert pe[0]._loop.commands.empty()
         de[0].expect("t", db, n, addr)
         pe[0].prefill_done("t", pb, n, kv_written=lambda: barriers.append(9))
         assert _wait(de[0])[0].ok and _wait(pe[0])[0].ok

@@ -126,7 +126,7 @@ def test_closing_the_decode_reports_every_live_request_failed():
     assert got["a"].block_ids == (0, 1) and "closed" in got["a"].reason
     with pytest.raises(EndpointClosed, match="closed"):
         d.finished()
-    assert not d._recv._thread.is_alive()
+    assert not d._loop._thread.is_alive()
     p.close()
 
 
@@ -246,7 +246,7 @@ def test_finished_hands_out_what_a_dying_thread_reports_before_it_raises(pair):
 
     p._push.teardown = slow_teardown
     p._push.transport.poll = boom
-    assert reached.wait(5) and p._push.fatal is not None
+    assert reached.wait(5) and p._loop.fatal is not None
     assert p.finished() == []  # dead, still reporting: no EndpointClosed yet
     go_on.set()
     [sent] = until(p.finished)

@@ -118,10 +118,10 @@ def test_done_notice_sent_alone_reaches_the_decode(pair):
 def test_owed_progress_keeps_the_tick_cadence_while_nothing_is_tracked(pair):
     p_transport, _src, _dst, p, _d, _addr = pair
     push, idle = p._push, p._push.config.pacing.idle_poll_s
-    assert push.call(push.idle_wait_ms, 5.0) == int(idle * 5000)  # nothing tracked, nothing owed
+    assert p._loop.call(push.idle_wait_ms, 5.0) == int(idle * 5000)  # nothing tracked, nothing owed
     # a notice that will not leave within the test, queued on the push thread (the outbox's one user)
-    push.call(lambda: p_transport.outbox.append((time.monotonic() + 60, "D-agent", b"")), 5.0)
-    assert push.call(push.idle_wait_ms, 5.0) == int(idle * 1000)
+    p._loop.call(lambda: p_transport.outbox.append((time.monotonic() + 60, "D-agent", b"")), 5.0)
+    assert p._loop.call(push.idle_wait_ms, 5.0) == int(idle * 1000)
 
 
 class _Agent:

@@ -9,15 +9,17 @@ import time
 import pytest
 
 from kvpush.config import KVPushConfig
-from kvpush.endpoint.loop import TransferThread
+from kvpush.endpoint.loop import TransferLoop, idle_wait_ms
 from kvpush.errors import ConfigError
 
 
-class Counting(TransferThread):
-    """A thread with nothing in flight that counts its rounds."""
+class Counting:
+    """A role with nothing in flight that counts its loop's rounds."""
+
+    name = "kvpush-counting"
 
     def __init__(self, config: KVPushConfig) -> None:
-        super().__init__(config)
+        self.config = config
         self.rounds = 0
 
     def setup(self) -> None:
@@ -33,19 +35,32 @@ class Counting(TransferThread):
     def busy(self) -> bool:
         return False
 
+    def in_flight(self) -> bool:
+        return False
+
+    def idle_wait_ms(self) -> int:
+        return idle_wait_ms(self.config.pacing, 0)
+
+    def wound_down(self) -> None:
+        pass
+
+
+def counting(config: KVPushConfig) -> TransferLoop[Counting]:
+    return TransferLoop(config.pacing, lambda loop: Counting(config))
+
 
 def rounds_after_a_command(spin_s: float) -> tuple[int, int]:
     """Rounds in the 0.15 s after one command, and in the 0.15 s after that (idle_poll_s 1 s: a thread
     that blocks makes at most one round per doorbell)."""
-    t = Counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4, "spin_s": spin_s}))
+    t = counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4, "spin_s": spin_s}))
     t.start()
     try:
         t.call(lambda: None, timeout=5)
-        start = t.rounds
+        start = t.role.rounds
         time.sleep(0.15)
-        first = t.rounds - start
+        first = t.role.rounds - start
         time.sleep(0.15)
-        return first, t.rounds - start - first
+        return first, t.role.rounds - start - first
     finally:
         t.stop()
 
@@ -72,7 +87,7 @@ def test_doorbell_emptied_after_the_work_and_no_command_lost():
     """The doorbell is read after the work its ring announced, then the commands are looked at again: no
     command waits for a later ring (idle_poll_s 1 s: a lost ring would stall it for seconds), and an idle
     thread is left with an empty pipe (it blocks, it does not spin on a readable doorbell)."""
-    t = Counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4}))
+    t = counting(KVPushConfig(pacing={"idle_poll_s": 1.0, "busy_poll_s": 1e-4}))
     t.start()
     ran: list[int] = []
     try:
@@ -87,8 +102,8 @@ def test_doorbell_emptied_after_the_work_and_no_command_lost():
         time.sleep(0.05)
         with pytest.raises(BlockingIOError):
             os.read(t.doorbell.read_fd, 1)
-        rounds = t.rounds
+        rounds = t.role.rounds
         time.sleep(0.1)
-        assert t.rounds - rounds <= 1
+        assert t.role.rounds - rounds <= 1
     finally:
         t.stop()
