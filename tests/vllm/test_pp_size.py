@@ -41,7 +41,7 @@ def test_the_decodes_start_up_prefill_addresses_refuse_pipeline_parallelism() ->
         "decode", "d0", {"prefill_addresses": [{"engine_id": "p0", "port": 5600}]}, 16, 1, 1
     )
     assert ok.prefill_addresses[0].pp_size == 1
-    with pytest.raises(ConfigError, match=r"prefill_addresses\[0\]: " + PP_REFUSED):
+    with pytest.raises(ConfigError, match=r"prefill_addresses\[0\]`: pp_size: " + PP_REFUSED):
         ConnectorSettings.from_extra(
             "decode", "d0", {"prefill_addresses": [{"engine_id": "p0", "port": 5600, "pp_size": 2}]}, 16, 1, 1
         )
