@@ -15,13 +15,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .client import complete_many, make_prompts
-from .serve_engines import EngineSpec, free_port, free_ports
+from .serve_engines import EngineSpec, free_port, free_ports, proxy_argv
 from .serve_procs import Started, wait_healthy
 from .tiny_model import build
 
@@ -88,25 +87,7 @@ def run_pair(
     )
     procs: list[Started] = []
     try:
-        proxy = [
-            sys.executable,
-            "-m",
-            "kvpush.platforms.vllm.tools.proxy",
-            "--port",
-            str(x_port),
-            "--mode",
-            "push",
-            "--prefill",
-            prefill.url,
-            "--decode",
-            decode.url,
-            "--prefill-engine-id",
-            prefill.engine_id,
-            "--prefill-kv-host",
-            "127.0.0.1",
-            "--prefill-kv-port",
-            str(p_kv),
-        ]
+        proxy = proxy_argv(x_port, "push", prefill, decode, p_kv)
         procs.append(Started(f"{tag}-proxy", proxy, dict(os.environ), log_dir / f"{tag}-proxy.log"))
         for spec in (prefill, decode):
             start(spec, log_dir, procs)

@@ -133,3 +133,28 @@ class EngineSpec:
         )
         env.update(self.env)
         return argv, env
+
+
+def proxy_argv(
+    port: int, mode: str, prefill: EngineSpec, decode: EngineSpec, prefill_kv_port: int
+) -> list[str]:
+    """`kvpush proxy`'s command line in front of one prefill and one decode on this host."""
+    return [
+        sys.executable,
+        "-m",
+        "kvpush.platforms.vllm.proxy",
+        "--port",
+        str(port),
+        "--mode",
+        mode,
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        "--prefill-engine-id",
+        prefill.engine_id,
+        "--prefill-kv-host",
+        "127.0.0.1",
+        "--prefill-kv-port",
+        str(prefill_kv_port),
+    ]

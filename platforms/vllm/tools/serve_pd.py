@@ -24,7 +24,7 @@ from typing import Any
 
 from kvpush.apps.cliutil import port, positive_int
 
-from .serve_engines import CONNECTORS, EngineSpec, free_port, free_ports, parse_cores
+from .serve_engines import CONNECTORS, EngineSpec, free_port, free_ports, parse_cores, proxy_argv
 from .serve_procs import Started, wait_healthy
 from .vllm_router import ROUTERS, router_argv
 
@@ -152,26 +152,7 @@ def start_pd(
         if use_proxy:
             # The proxy binds first: engines grab ephemeral ports while starting.
             mode = "pull" if connector == "nixl-pull" else "push"
-            argv = [
-                sys.executable,
-                "-m",
-                "kvpush.platforms.vllm.proxy",
-                "--port",
-                str(x_port),
-                "--mode",
-                mode,
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-                "--prefill-engine-id",
-                prefill.engine_id,
-                "--prefill-kv-host",
-                "127.0.0.1",
-                "--prefill-kv-port",
-                str(p_kv),
-                "--timings",
-            ]
+            argv = [*proxy_argv(x_port, mode, prefill, decode, p_kv), "--timings"]
             if pairing_port:
                 argv += ["--decode-pairing", f"http://127.0.0.1:{pairing_port}"]
                 argv += ["--decode-engine-id", decode.engine_id]
