@@ -1,4 +1,4 @@
-"""WRITEs made ahead of prefill_done (the sender machine's `Arm`, protocol/sender_arm.py): planned, sealed
+"""WRITEs made ahead of prefill_done (the sender machine's `Arm`, protocol/sender_attempt.py): planned, sealed
 and made on the push thread while the engine still computes, kept here unposted. prefill_done's StartWrite
 takes one by identity and the scheduler only posts it; a `Disarm`, the request's release or closing
 releases it. Each handle leaves this store exactly once: taken (the scheduler then owns it) or released.
